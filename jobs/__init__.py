@@ -1,0 +1,1 @@
+"""What runs on the cluster: the workflow of stages, pre-training, GLUE fine-tuning, tracking and the CLI."""

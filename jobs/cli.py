@@ -1,0 +1,104 @@
+"""`bertpipe`: one CLI for running the workflow locally or on a cluster, and for watching it."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from jobs.configtools import ConfigError
+from pipeline.stage import StageInputError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="tiny", help="preset name or YAML file (default: tiny)")
+    p.add_argument("--workdir", default=None, help="override `workdir` (local path or s3://, gs:// URI)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. --set pairs.dupe_factor=5 (repeatable)")
+
+
+def _config(args):
+    from jobs.config import load_config
+
+    return load_config(args.config, args.overrides, args.workdir)
+
+
+def cmd_run(args) -> int:
+    from jobs import workflow
+
+    cfg = _config(args)
+    only = [s for part in (args.only or []) for s in part.split(",") if s]
+    summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force)
+    for row in summary:
+        extra = f"{row['seconds']:.1f} s" if row.get("seconds") is not None else "fresh"
+        print(f"{row['stage']:<9} {row['action']:<8} rows={row['rows']}  {extra}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from jobs import workflow
+
+    rows = workflow.status(_config(args))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'stage':<9} {'state':<8} {'rows':>10} {'seconds':>9}  output")
+    for r in rows:
+        secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-"
+        print(f"{r['stage']:<9} {r['state']:<8} {str(r['rows'] if r['rows'] is not None else '-'):>10} "
+              f"{secs:>9}  {r['output']}" + (f"  ({r['problem']})" if r.get("problem") else ""))
+    return 0
+
+
+def cmd_fetch_sample(args) -> int:
+    from pathlib import Path
+
+    from pipeline.sample import fetch_sample
+
+    for name, path in fetch_sample(Path(args.dest)).items():
+        print(f"{path}  ({path.stat().st_size:,} bytes)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bertpipe", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="run the workflow (or some stages); fresh stages are skipped")
+    _add_config_args(p)
+    p.add_argument("--only", action="append", metavar="STAGE[,STAGE...]", help="run just these stages")
+    p.add_argument("--from", dest="start", metavar="STAGE", help="run this stage and every later one")
+    p.add_argument("--force", action="store_true", help="rerun the selected stages even if fresh")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("status", help="state of every stage: fresh / stale / missing")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("fetch-sample", help="fetch the real Wikipedia sample dumps (gensim 4.4.0 wheel, via pip)")
+    p.add_argument("--dest", default="data/sample")
+    p.set_defaults(func=cmd_fetch_sample)
+
+    try:
+        from jobs import submit
+        submit.add_parsers(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ConfigError, StageInputError, ValueError) as exc:
+        print(f"bertpipe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The root config of a workflow run: one section per stage plus where it runs and where it is tracked.
+
+Resolution order: dataclass defaults < YAML preset (`--config`) < `--set key.sub=value` overrides.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from jobs.finetune_config import FinetuneConfig
+from jobs.pretrain_config import ModelConfig, PretrainConfig
+from pipeline.config import CleanConfig, PairsConfig, VocabConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayConfig:
+    # Empty: $RAY_ADDRESS if set, else a local Ray started in-process ("embedded default").
+    address: str = ""
+    # Logical CPUs of the local Ray. More than the physical cores on purpose: training workers hold their CPU
+    # for the whole run, and Ray Data read/map tasks still need free logical CPUs to make progress.
+    num_cpus: int = 4
+    dashboard: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlflowConfig:
+    # Empty: $MLFLOW_TRACKING_URI if set, else a SQLite store under the workdir. "off" disables tracking.
+    tracking_uri: str = ""
+    experiment: str = "bertpipe"
+    run_name: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootConfig:
+    # Where stage outputs go: <workdir>/<stage>/ (any local path or s3:// / gs:// URI).
+    workdir: str = "work/tiny"
+    seed: int = 12345
+    ray: RayConfig = field(default_factory=RayConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    pairs: PairsConfig = field(default_factory=PairsConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def find_preset(name_or_path: str) -> Path:
+    """`configs/tiny.yaml`, a path, or a bare preset name like `tiny`."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    for candidate in (CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    raise ConfigError(f"config {name_or_path!r} not found (presets: {known})")
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None,
+                workdir: str | None = None) -> RootConfig:
+    data: dict[str, Any] = load_yaml(find_preset(path)) if path else {}
+    data = apply_overrides(data, list(overrides or []))
+    if workdir:
+        data["workdir"] = workdir
+    return from_dict(RootConfig, data)
+
+
+def resolved_tracking_uri(cfg: RootConfig) -> str:
+    """MLflow tracking URI for this run ('' when tracking is off)."""
+    uri = cfg.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri == "off":
+        return ""
+    if uri:
+        return uri
+    if "://" in cfg.workdir:
+        return ""  # no sensible local default for a remote workdir: track only when told where
+    return "sqlite:///" + os.path.abspath(os.path.join(cfg.workdir, "mlflow.db"))
+
+
+def config_as_dict(cfg: RootConfig) -> dict[str, Any]:
+    return to_dict(cfg)

@@ -1,0 +1,56 @@
+"""Typed config of the `finetune` stage (GLUE fan-out). Frozen, keyword-only: YAML and `--set` fill it.
+
+Defaults follow the BERT paper's GLUE recipe (section 4.1): batch 32, 3 epochs, learning rate picked on dev
+from {5e-5, 4e-5, 3e-5, 2e-5}; warmup 10% and weight decay 0.01 as in google-research/bert run_classifier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneConfig:
+    # Folder holding one sub-folder per task (CoLA/, SST-2/, MNLI/...) in the official GLUE TSV layout; any
+    # smart_open URI. Empty: the project's small smoke sample (NOT GLUE), written into the stage output.
+    glue_data_dir: str = ""
+    # Tasks to run. Empty: all nine, whichever are present (the rest are reported absent). Named explicitly:
+    # a missing task folder is a failure of that task.
+    tasks: tuple[str, ...] = ()
+    # A Hugging Face-layout BERT folder (config.json, model.safetensors, vocab.txt) to start from.
+    # Empty: the pre-training export, <pretrain output>/export.
+    init: str = ""
+    learning_rates: tuple[float, ...] = (5e-5, 4e-5, 3e-5, 2e-5)
+    # One trial per (task, learning rate, seed); each trial's RNG seed also mixes in the workflow seed.
+    seeds: tuple[int, ...] = (1,)
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    num_epochs: int = 3
+    warmup_proportion: float = 0.1
+    weight_decay: float = 0.01
+    # google-research/bert uses 1e-6 (its AdamWeightDecayOptimizer); torch's 1e-8 default barely differs.
+    adam_epsilon: float = 1e-6
+    max_grad_norm: float = 1.0
+    max_seq_length: int = 128
+    # Subsample each train set to at most this many examples (seeded); 0 = all. For smoke runs on big tasks.
+    max_train_examples: int = 0
+    # Ray resources per trial; torch uses cpus_per_trial threads inside a trial.
+    cpus_per_trial: int = 1
+    gpus_per_trial: float = 0.0
+    # At most this many trials run at once; 0 = as many as the cluster's resources fit.
+    max_concurrent_trials: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "eval_batch_size", "num_epochs", "max_seq_length", "cpus_per_trial"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"finetune.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.learning_rates or any(lr <= 0 for lr in self.learning_rates):
+            raise ValueError(f"finetune.learning_rates must be positive and non-empty, got {self.learning_rates}")
+        if not self.seeds:
+            raise ValueError("finetune.seeds must name at least one seed")
+        if not 0.0 <= self.warmup_proportion < 1.0:
+            raise ValueError(f"finetune.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
+        if self.max_seq_length < 8:
+            raise ValueError(f"finetune.max_seq_length must be >= 8, got {self.max_seq_length}")
+        for name in ("max_train_examples", "max_concurrent_trials", "gpus_per_trial", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"finetune.{name} must be >= 0, got {getattr(self, name)}")

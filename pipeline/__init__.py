@@ -1,0 +1,1 @@
+"""Data stages of the BERT pre-training pipeline (Ray Data): clean -> vocab -> pairs."""

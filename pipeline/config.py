@@ -1,0 +1,46 @@
+"""Typed configs of the data stages. Frozen, keyword-only: YAML and `--set key=value` fill them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The real Wikipedia sample that `bertpipe fetch-sample` (run by `make run`) extracts from the gensim 4.4.0 wheel.
+SAMPLE_DUMP = "data/sample/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CleanConfig:
+    # One or more dumps: local paths, globs or any smart_open URI (s3://, gs://, https://).
+    input: tuple[str, ...] = (SAMPLE_DUMP,)
+    # Paragraphs shorter than this (after markup removal) are dropped: leftovers of captions and stubs.
+    min_paragraph_chars: int = 20
+    # Articles with less text than this are dropped (stubs carry no sentence pairs worth training on).
+    min_article_chars: int = 200
+    skip_disambiguation: bool = True
+    # A page's wikitext above this many bytes is cut (and counted), so one pathological page cannot blow a worker.
+    max_page_bytes: int = 4_000_000
+    # Pages per Ray Data block handed to the parser.
+    pages_per_batch: int = 64
+    # Documents per output Parquet file.
+    rows_per_file: int = 20_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabConfig:
+    # An existing vocab.txt (Google's uncased vocabulary works); empty = train one on the clean corpus.
+    path: str = ""
+    vocab_size: int = 30_522
+    lowercase: bool = True
+    min_frequency: int = 2
+    limit_alphabet: int = 1_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairsConfig:
+    # One shard set per length: phase 1 trains at 128, phase 2 at 512 (BERT paper).
+    max_seq_lengths: tuple[int, ...] = (128, 512)
+    short_seq_prob: float = 0.1
+    dupe_factor: int = 10
+    # Shards per sequence length; every shard gets the same number of rows so N workers get equal work.
+    num_shards: int = 8
+    # Fraction of documents kept out of training for the held-out MLM/NSP evaluation.
+    heldout_fraction: float = 0.02

@@ -1,0 +1,72 @@
+"""Folder-level I/O on local disk or object stores (s3://, gs://) through pyarrow.fs, so stages are URI-agnostic."""
+from __future__ import annotations
+
+import os
+import posixpath
+
+import pyarrow.fs as pafs
+
+
+def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it). Plain paths are made absolute local paths."""
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    return pafs.FileSystem.from_uri(uri)
+
+
+def join(uri: str, *parts: str) -> str:
+    if "://" in uri:
+        return posixpath.join(uri, *parts)
+    return os.path.join(uri, *parts)
+
+
+def exists(uri: str) -> bool:
+    fs, path = resolve(uri)
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def read_text(uri: str) -> str:
+    fs, path = resolve(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read().decode("utf-8")
+
+
+def write_text_atomic(uri: str, text: str) -> None:
+    """Write a small file so that readers see either the old or the whole new content (tmp + rename)."""
+    fs, path = resolve(uri)
+    fs.create_dir(posixpath.dirname(path) if "://" in uri else os.path.dirname(path), recursive=True)
+    tmp = path + ".tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(text.encode("utf-8"))
+    fs.move(tmp, path)
+
+
+def delete_file(uri: str) -> None:
+    fs, path = resolve(uri)
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        fs.delete_file(path)
+
+
+def reset_dir(uri: str) -> None:
+    """Empty (or create) a stage's output folder before the stage writes into it."""
+    fs, path = resolve(uri)
+    if fs.get_file_info(path).type == pafs.FileType.Directory:
+        fs.delete_dir_contents(path)
+    fs.create_dir(path, recursive=True)
+
+
+def list_files(uri: str) -> list[tuple[str, int]]:
+    """(relative path, size) of every file under `uri`, sorted; hidden and .tmp files are ignored."""
+    fs, path = resolve(uri)
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        return []
+    out = []
+    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+        if info.type != pafs.FileType.File:
+            continue
+        rel = os.path.relpath(info.path, path) if "://" not in uri else info.path[len(path):].lstrip("/")
+        name = posixpath.basename(rel)
+        if name.startswith((".", "_")) or name.endswith(".tmp"):
+            continue
+        out.append((rel, info.size))
+    return sorted(out)

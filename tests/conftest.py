@@ -1,0 +1,45 @@
+"""Shared fixtures: the real sample dumps (fetched through pip by the project), a local Ray, shared GLUE data."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def sample_dumps() -> dict[str, Path]:
+    """The three real sample dumps from the gensim 4.4.0 wheel (downloaded once by `bertpipe fetch-sample`)."""
+    from pipeline.sample import fetch_sample
+
+    return {name: path.resolve() for name, path in fetch_sample(REPO / "data" / "sample").items()}
+
+
+@pytest.fixture(scope="session")
+def enwiki_sample(sample_dumps) -> Path:
+    return sample_dumps["enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"]
+
+
+@pytest.fixture(scope="session")
+def shared_glue_dir() -> Path:
+    path = SHARED_DATA / "glue"
+    if not path.is_dir():
+        pytest.skip(f"real GLUE sample not present at {path} (../shared/data is only on developer machines)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole test session: 4 logical CPUs so trainer workers never starve data tasks."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
