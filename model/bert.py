@@ -179,9 +179,12 @@ class BertModel(nn.Module):
         if attention_mask is not None:
             # Additive rather than boolean: a row with no real key (an all-pad filler sequence) then gets
             # uniform attention instead of NaN.
+            # Built in the dtype attention will run in (autocast's, if on): fp32's minimum would be -inf
+            # in fp16.
+            device_type = x.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
             keep = attention_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, T]
-            mask = torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(
-                ~keep, torch.finfo(x.dtype).min)
+            mask = torch.zeros(keep.shape, dtype=dtype, device=x.device).masked_fill(~keep, torch.finfo(dtype).min)
         sequence_output = self.encoder(x, mask)  # [B, T, H]
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         return sequence_output, pooled

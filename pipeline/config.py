@@ -20,6 +20,11 @@ class CleanConfig:
     max_page_bytes: int = 4_000_000
     # Pages per Ray Data block handed to the parser.
     pages_per_batch: int = 64
+    # Most read tasks running at once (one per dump or per byte range); 0 = as many as Ray's CPUs allow.
+    num_read_workers: int = 0
+    # Multistream dumps (with their -index.txt[.bz2] beside them) are split into ranges of whole bz2 streams of
+    # about this many compressed bytes, so one big file is read by several workers.
+    split_bytes: int = 128 * 1024 * 1024
     # Documents per output Parquet file.
     rows_per_file: int = 20_000
 
@@ -44,3 +49,8 @@ class PairsConfig:
     num_shards: int = 8
     # Fraction of documents kept out of training for the held-out MLM/NSP evaluation.
     heldout_fraction: float = 0.02
+    # Documents per pairing pool: the NotNext B is drawn from the other documents of the pool (after a global
+    # shuffle), and one pool's token ids are what a worker holds in memory.
+    docs_per_partition: int = 2_000
+    # Documents per tokenization batch (one encode_batch call covers all their sentences).
+    docs_per_tokenize_batch: int = 256

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import Iterator
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -122,7 +123,7 @@ def iter_texts(files: list[str], batch_rows: int = 1024) -> Iterator[list[str]]:
                     raise StageInputError(f"{uri} has no `text` column (columns: {parquet.schema_arrow.names})")
                 for batch in parquet.iter_batches(batch_size=batch_rows, columns=["text"]):
                     yield [t for t in batch.column(0).to_pylist() if t]
-        except OSError as exc:  # ArrowInvalid is an OSError subclass? no: catch both below
+        except (OSError, pa.ArrowException) as exc:
             raise StageInputError(f"cannot read clean documents {uri}: {exc}") from exc
 
 
@@ -193,5 +194,5 @@ def run_stage(ctx: StageContext) -> StageResult:
         num_rows=len(tokens),
         metrics=metrics,
         raw_inputs=raw_inputs,
-        extra={"vocab_hash": hashlib.sha256(data).hexdigest(), "source": source},
+        extra={"vocab_hash": hashlib.sha256(data).hexdigest(), "source": source, "do_lower_case": cfg.lowercase},
     )

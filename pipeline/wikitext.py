@@ -43,7 +43,8 @@ _INTERLANG = re.compile(r"^[a-z]{2,3}(?:-[a-z]{2,8})?:")
 # Lines that are not prose: lists (* # ; :), headings (=), table rows left by broken tables (| !), rules (----).
 _NON_PROSE_START = ("*", "#", ";", ":", "=", "|", "!", "{|", "----")
 _DISAMBIG = re.compile(
-    r"\{\{\s*(?:disambig\w*|disamb|dab|[a-z]*dis|set index(?: article)?|[^{}|]*disambiguation[^{}|]*)\s*[|}]",
+    r"\{\{\s*(?:disambig\w*|disamb|dab|(?:hn|geo|number|math|road|school|species|letter-number )dis"
+    r"|set index(?: article)?|[^{}|]*disambiguation[^{}|]*)\s*[|}]",
     re.I)
 
 

@@ -1,0 +1,247 @@
+"""The `clean` stage: Wikipedia XML dumps -> Parquet documents (id int64, title string, text string).
+
+Ray Data plan: one input row per read unit (a dump, or a byte range of whole bz2 streams of a multistream dump)
+-> flat_map `read_unit_rows` (streams pages, drops the text of redirects and other namespaces at once)
+-> map_batches `clean_pages_batch` (wikitext -> paragraphs, pure) -> materialize -> counts by status
+-> articles sorted by id, written as `docs-00000.parquet`... of `rows_per_file` rows each, so two runs on the
+same dumps give byte-identical content whatever the task scheduling was.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import storage
+from pipeline.config import CleanConfig
+from pipeline.dump_reader import ReadUnit, expand_inputs, iter_pages, plan_units
+from pipeline.stage import StageContext, StageInputError, StageResult
+from pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
+
+log = logging.getLogger(__name__)
+
+DOC_SCHEMA = pa.schema([("id", pa.int64()), ("title", pa.string()), ("text", pa.string())])
+# Status of every page seen; only "article" rows become documents.
+ARTICLE, REDIRECT, OTHER_NS, DISAMBIGUATION, TOO_SHORT = "article", "redirect", "non_article_ns", "disambiguation", \
+    "too_short"
+
+
+# ---------------------------------------------------------------- raw input identity (fingerprints)
+
+def _cache_path() -> Path:
+    root = os.environ.get("BERTPIPE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "bertpipe")
+    return Path(root) / "sha256.json"
+
+
+def _local_sha256(path: str) -> tuple[int, str]:
+    """(size, sha256) of a local file, cached by (path, size, mtime) so re-fingerprinting a 20 GB dump is free."""
+    st = os.stat(path)
+    key = os.path.abspath(path)
+    cache_file = _cache_path()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    hit = cache.get(key)
+    if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
+        return st.st_size, hit["sha256"]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(cache_file)
+    except OSError as exc:  # a read-only home must not stop the pipeline; we only lose the cache
+        log.warning("cannot write checksum cache %s: %s", cache_file, exc)
+    return st.st_size, digest.hexdigest()
+
+
+def _remote_identity(uri: str) -> tuple[int, str]:
+    if uri.startswith(("http://", "https://")):
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(urllib.request.Request(uri, method="HEAD"), timeout=30) as resp:
+                headers = resp.headers
+        except OSError as exc:
+            raise StageInputError(f"input dump {uri} cannot be reached: {exc}") from exc
+        size = int(headers.get("Content-Length") or -1)
+        tag = headers.get("ETag") or headers.get("Last-Modified") or "unknown"
+        return size, f"etag:{tag.strip(chr(34))}" if headers.get("ETag") else f"http:{tag}"
+    import pyarrow.fs as pafs
+
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        info = fs.get_file_info(path)
+    except (OSError, ValueError) as exc:
+        raise StageInputError(f"input dump {uri} cannot be reached: {exc}") from exc
+    if info.type != pafs.FileType.File:
+        raise StageInputError(f"input dump {uri} does not exist")
+    # pyarrow exposes no ETag; size + modification time still notice a re-uploaded dump.
+    mtime = info.mtime.isoformat() if info.mtime else "unknown"
+    return info.size, f"mtime:{mtime}"
+
+
+def describe_raw_inputs(cfg: CleanConfig) -> list[dict[str, Any]]:
+    """[{"uri", "size", "checksum"}] of every dump `cfg.input` names (globs expanded), for the stage fingerprint."""
+    out = []
+    for uri in expand_inputs(cfg.input):
+        local = uri.removeprefix("file://") if "://" not in uri or uri.startswith("file://") else None
+        if local is not None:
+            if not os.path.isfile(local):
+                raise StageInputError(f"input dump {uri} does not exist")
+            size, sha = _local_sha256(local)
+            out.append({"uri": os.path.abspath(local), "size": size, "checksum": f"sha256:{sha}"})
+        else:
+            size, tag = _remote_identity(uri)
+            out.append({"uri": uri, "size": size, "checksum": tag})
+    return out
+
+
+# ---------------------------------------------------------------- pure per-row / per-batch functions
+
+def read_unit_rows(unit: dict[str, Any], *, max_page_bytes: int) -> Iterator[dict[str, Any]]:
+    """flat_map: every page of one read unit. Text of redirects and non-article namespaces is dropped here so it
+    never travels through the object store."""
+    for page in iter_pages(ReadUnit(unit["uri"], unit["start"], unit["end"]), max_page_bytes=max_page_bytes):
+        keep = page.ns == 0 and not page.redirect
+        yield {"id": page.id, "ns": page.ns, "title": page.title, "redirect": page.redirect,
+               "text": page.text if keep else "", "num_bytes": page.num_bytes, "truncated": page.truncated,
+               "source": unit["uri"]}
+
+
+def clean_pages_batch(batch: dict[str, np.ndarray], *, min_paragraph_chars: int, min_article_chars: int,
+                      skip_disambiguation: bool) -> dict[str, np.ndarray]:
+    """map_batches: wikitext -> plain text, and a status per page saying why it was kept or skipped."""
+    texts, statuses = [], []
+    for ns, redirect, title, wikitext in zip(batch["ns"], batch["redirect"], batch["title"], batch["text"]):
+        text, status = "", ARTICLE
+        if ns != 0:
+            status = OTHER_NS
+        elif redirect:
+            status = REDIRECT
+        elif skip_disambiguation and is_disambiguation(title, wikitext):
+            status = DISAMBIGUATION
+        else:
+            text = "\n".join(wikitext_to_paragraphs(wikitext, min_paragraph_chars=min_paragraph_chars))
+            if len(text) < min_article_chars:
+                text, status = "", TOO_SHORT
+        texts.append(text)
+        statuses.append(status)
+    return {"id": np.asarray(batch["id"], dtype=np.int64), "title": batch["title"],
+            "text": np.asarray(texts, dtype=object), "status": np.asarray(statuses, dtype=object),
+            # wikitext the cleaner had to read (articles and the pages it judged): the throughput denominator
+            "wikitext_bytes": np.where((batch["ns"] == 0) & ~batch["redirect"].astype(bool), batch["num_bytes"], 0),
+            "truncated": batch["truncated"], "source": batch["source"]}
+
+
+def _articles_only(table: pa.Table) -> pa.Table:
+    import pyarrow.compute as pc
+
+    return table.filter(pc.equal(table["status"], ARTICLE)).select(["id", "title", "text"])
+
+
+# ---------------------------------------------------------------- Ray wrapper
+
+def _input_error_in(exc: BaseException) -> StageInputError | None:
+    """The StageInputError a Ray task raised, dug out of RayTaskError / UserCodeException wrappers."""
+    seen, todo, found = set(), [exc], None
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        wrapper = any(c.__name__ in ("RayTaskError", "UserCodeException") for c in type(e).__mro__)
+        if isinstance(e, StageInputError) and not wrapper:
+            found = e  # the original, whose message is clean; wrappers that subclass it carry tracebacks
+        todo.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
+    return found
+
+
+def _write_documents(ds, output_uri: str, rows_per_file: int) -> list[str]:
+    fs, root = storage.resolve(output_uri)
+    fs.create_dir(root, recursive=True)
+    names = []
+    for i, batch in enumerate(ds.iter_batches(batch_size=rows_per_file, batch_format="pyarrow")):
+        name = f"docs-{i:05d}.parquet"
+        path = storage.join(root, name) if "://" not in output_uri else f"{root}/{name}"
+        with fs.open_output_stream(path + ".tmp") as f:
+            pq.write_table(batch.select(["id", "title", "text"]).cast(DOC_SCHEMA), f, compression="zstd")
+        fs.move(path + ".tmp", path)
+        names.append(name)
+    return names
+
+
+def run_stage(ctx: StageContext) -> StageResult:
+    import ray
+
+    cfg: CleanConfig = ctx.config["clean"]
+    started = time.perf_counter()
+    raw_inputs = describe_raw_inputs(cfg)
+    units: list[ReadUnit] = []
+    for item in raw_inputs:
+        units.extend(plan_units(item["uri"], item["size"], target_bytes=cfg.split_bytes))
+    log.info("clean: %d dump(s), %d read unit(s)", len(raw_inputs), len(units))
+
+    try:
+        ds = ray.data.from_items([{"uri": u.uri, "start": u.start, "end": u.end} for u in units],
+                                 override_num_blocks=len(units))
+        ds = ds.flat_map(read_unit_rows, fn_kwargs={"max_page_bytes": cfg.max_page_bytes},
+                         concurrency=cfg.num_read_workers or None)
+        ds = ds.map_batches(clean_pages_batch, batch_size=cfg.pages_per_batch, batch_format="numpy",
+                            fn_kwargs={"min_paragraph_chars": cfg.min_paragraph_chars,
+                                       "min_article_chars": cfg.min_article_chars,
+                                       "skip_disambiguation": cfg.skip_disambiguation})
+        pages = ds.materialize()
+        counts: Counter[str] = Counter()
+        per_source: Counter[str] = Counter()
+        num_bytes = truncated = 0
+        for b in pages.select_columns(["status", "wikitext_bytes", "truncated", "source"]) \
+                .iter_batches(batch_size=65_536, batch_format="numpy"):
+            counts.update(b["status"].tolist())
+            per_source.update(b["source"].tolist())
+            num_bytes += int(b["wikitext_bytes"].sum())
+            truncated += int(b["truncated"].astype(bool).sum())
+        empty = [item["uri"] for item in raw_inputs if per_source[item["uri"]] == 0]
+        if empty:
+            raise StageInputError(f"no articles: input dump {empty[0]} holds no pages")
+        if counts[ARTICLE] == 0:
+            raise StageInputError(f"no articles kept from {[i['uri'] for i in raw_inputs]} "
+                                  f"({sum(counts.values())} pages seen: {dict(counts)})")
+        log.info("clean: %d pages -> %d articles; writing files of %d rows", sum(counts.values()), counts[ARTICLE],
+                 cfg.rows_per_file)
+        docs = pages.map_batches(_articles_only, batch_format="pyarrow").sort("id")
+        files = _write_documents(docs, ctx.output_uri, cfg.rows_per_file)
+    except Exception as exc:  # noqa: BLE001 - only to unwrap; anything else re-raises untouched
+        inner = _input_error_in(exc)
+        if inner is None or inner is exc:
+            raise
+        # Ray appends retry advice to the message; the first line is ours and names the file.
+        message = str(inner.args[0] if inner.args else inner).split("\n", 1)[0]
+        raise StageInputError(message) from None
+
+    seconds = time.perf_counter() - started
+    metrics = {
+        "pages_seen": sum(counts.values()), "articles": counts[ARTICLE],
+        "redirects_skipped": counts[REDIRECT], "disambiguation_skipped": counts[DISAMBIGUATION],
+        "non_article_ns_skipped": counts[OTHER_NS], "too_short_skipped": counts[TOO_SHORT],
+        "pages_truncated": truncated, "mb_wikitext": round(num_bytes / 1e6, 3), "seconds": round(seconds, 3),
+        "mb_per_second": round(num_bytes / 1e6 / seconds, 3), "articles_per_second": round(counts[ARTICLE] / seconds, 2),
+        "num_input_files": len(raw_inputs), "num_read_units": len(units), "num_output_files": len(files),
+    }
+    log.info("clean: done in %.1fs: %s", seconds, metrics)
+    ctx.log_metrics(metrics, None)
+    return StageResult(num_rows=counts[ARTICLE], metrics=metrics, raw_inputs=raw_inputs)

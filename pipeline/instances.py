@@ -1,0 +1,222 @@
+"""Document-level NSP instances, the google-research/bert `create_pretraining_data.py` algorithm (pure, no Ray).
+
+What is the same as the original, decision for decision and random draw for random draw:
+- target length = max_seq_length - 3 ([CLS], [SEP], [SEP]); with probability `short_seq_prob` a short target
+  uniform in [2, max_num_tokens], drawn once per document per pass, so the model also sees short sequences;
+- sentences are packed into a chunk until the target is reached; A = the first `a_end` sentences of the chunk
+  (`a_end` uniform in [1, len(chunk) - 1]); B = the rest of the chunk (IsNext) or, with probability 1/2 and always
+  for one-sentence chunks, a span from a random other document (NotNext), whose unused sentences are put back;
+- `truncate_seq_pair` trims the longer side one token at a time, from the front or back at random;
+- `dupe_factor` passes over the documents, then the instances are shuffled.
+
+What differs:
+- the random document is drawn from the *other* documents of the pool. The original makes ten tries to avoid the
+  current document and labels the pair NotNext even when all ten hit it (the quirk NVIDIA's LDDL fixes);
+  with a one-document pool a one-sentence chunk is skipped and longer chunks are always IsNext (counted);
+- the pool is the partition the pipeline hands us (documents shuffled across partitions beforehand), not the whole
+  corpus, so memory stays bounded (LDDL draws from the partition too, but without the global shuffle);
+- nothing is materialised per instance: A and B are spans of one flat token array, the output is gathered with one
+  vectorised numpy call, and token strings never exist. Masking is dynamic, at load time, not here.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+
+def derive_seed(*parts: object) -> int:
+    """A 64-bit seed from (seed, stage, length, partition, pass...): stable across processes and Python versions."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+@dataclass
+class PairStats:
+    num_instances: int = 0
+    num_random_next: int = 0
+    num_doc_passes: int = 0
+    num_short_targets: int = 0
+    num_tokens: int = 0
+    # Chunks dropped or forced IsNext because the pool had no other document (one-document partitions only).
+    num_no_other_document: int = 0
+
+    def add(self, other: "PairStats") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+@dataclass
+class Spans:
+    """Instances as token spans into one flat array: A = flat[a_lo:a_hi], B = flat[b_lo:b_hi]."""
+
+    a_lo: list[int] = field(default_factory=list)
+    a_hi: list[int] = field(default_factory=list)
+    b_lo: list[int] = field(default_factory=list)
+    b_hi: list[int] = field(default_factory=list)
+    is_random: list[int] = field(default_factory=list)
+    # Document index of A and of B, kept for tests and checks (not written to shards).
+    a_doc: list[int] = field(default_factory=list)
+    b_doc: list[int] = field(default_factory=list)
+
+
+def _randint(rng: random.Random, lo: int, hi: int) -> int:
+    """Uniform integer in [lo, hi]; random.randint's rejection sampling costs 10x more and buys nothing here."""
+    return lo + int(rng.random() * (hi - lo + 1))
+
+
+def _truncate_pair(a_lo, a_hi, b_lo, b_hi, max_num_tokens, rng):
+    """`truncate_seq_pair` on spans, in O(1): trim the longer side (B on ties) one token at a time, each token from
+    the front or the back with probability 1/2.
+
+    Which side loses how many tokens does not depend on the coin flips (trim the longer down to the shorter, then
+    alternate B, A, B...), so only the front/back split is random: Binomial(n, 1/2), drawn exactly as the popcount
+    of n random bits instead of n calls to rng.random().
+    """
+    len_a, len_b = a_hi - a_lo, b_hi - b_lo
+    excess = len_a + len_b - max_num_tokens
+    if excess <= 0:
+        return a_lo, a_hi, b_lo, b_hi
+    gap = min(excess, abs(len_a - len_b))
+    rest = excess - gap
+    cut_a = (gap if len_a > len_b else 0) + rest // 2
+    cut_b = (gap if len_b > len_a else 0) + rest - rest // 2
+    if cut_a:
+        front = bin(rng.getrandbits(cut_a)).count("1")
+        a_lo, a_hi = a_lo + front, a_hi - (cut_a - front)
+    if cut_b:
+        front = bin(rng.getrandbits(cut_b)).count("1")
+        b_lo, b_hi = b_lo + front, b_hi - (cut_b - front)
+    assert a_hi > a_lo and b_hi > b_lo, "truncation emptied a segment"
+    return a_lo, a_hi, b_lo, b_hi
+
+
+def instances_from_document(
+    doc_index: int,
+    bounds: list[list[int]],
+    max_seq_length: int,
+    short_seq_prob: float,
+    rng: random.Random,
+    out: Spans,
+    stats: PairStats,
+) -> None:
+    """Append one pass's instances of document `doc_index` to `out`.
+
+    bounds[d] = sentence boundaries of document d in the flat token array: sentence k is flat[b[k]:b[k+1]]
+    (len(b) = num_sentences + 1, every sentence non-empty).
+    """
+    doc = bounds[doc_index]
+    num_docs = len(bounds)
+    num_sentences = len(doc) - 1
+    max_num_tokens = max_seq_length - 3
+    # Usually fill the whole sequence (padding is wasted compute), sometimes not, so short inputs at fine-tuning
+    # time are not out of distribution.
+    target_seq_length = max_num_tokens
+    stats.num_doc_passes += 1
+    if rng.random() < short_seq_prob:
+        target_seq_length = _randint(rng, 2, max_num_tokens)
+        stats.num_short_targets += 1
+
+    chunk_start = 0  # current chunk = sentences chunk_start..i
+    while chunk_start < num_sentences:
+        # The original adds one sentence at a time until the chunk reaches the target or the document ends;
+        # jump straight to that sentence.
+        i = min(bisect.bisect_left(doc, doc[chunk_start] + target_seq_length, chunk_start + 1), num_sentences) - 1
+        num_chunk = i + 1 - chunk_start
+        a_end = _randint(rng, 1, num_chunk - 1) if num_chunk >= 2 else 1
+        a_lo, a_hi = doc[chunk_start], doc[chunk_start + a_end]
+        random_next = num_chunk == 1 or rng.random() < 0.5
+        if random_next and num_docs < 2:
+            stats.num_no_other_document += 1
+            random_next = False
+            if num_chunk == 1:
+                chunk_start = i + 1
+                continue
+        if random_next:
+            target_b_length = target_seq_length - (a_hi - a_lo)
+            # The original retries ten times to avoid doc_index and keeps the NotNext label even if it failed;
+            # drawing from the other documents directly is always right.
+            r = _randint(rng, 0, num_docs - 2)
+            b_doc = r + 1 if r >= doc_index else r
+            rdoc = bounds[b_doc]
+            random_start = _randint(rng, 0, len(rdoc) - 2)
+            b_lo = rdoc[random_start]
+            # First sentence end at which B reaches target_b_length (or the document's end).
+            k = bisect.bisect_left(rdoc, b_lo + target_b_length, random_start + 1)
+            b_hi = rdoc[min(k, len(rdoc) - 1)]
+            # The sentences of the chunk after A were not used: put them back for the next chunk.
+            i -= num_chunk - a_end
+        else:
+            b_doc = doc_index
+            b_lo, b_hi = a_hi, doc[i + 1]
+        a_lo, a_hi, b_lo, b_hi = _truncate_pair(a_lo, a_hi, b_lo, b_hi, max_num_tokens, rng)
+        out.a_lo.append(a_lo)
+        out.a_hi.append(a_hi)
+        out.b_lo.append(b_lo)
+        out.b_hi.append(b_hi)
+        out.is_random.append(int(random_next))
+        out.a_doc.append(doc_index)
+        out.b_doc.append(b_doc)
+        stats.num_instances += 1
+        stats.num_random_next += int(random_next)
+        chunk_start = i + 1
+
+
+def create_spans(
+    bounds: list[list[int]],
+    *,
+    max_seq_length: int,
+    short_seq_prob: float,
+    dupe_factor: int,
+    seed_parts: tuple,
+) -> tuple[Spans, PairStats]:
+    """All passes over a pool of documents, then a seeded shuffle. One generator per pass: (seed_parts, pass)."""
+    if max_seq_length < 5:
+        raise ValueError(f"max_seq_length={max_seq_length} leaves no room for A and B beside [CLS] [SEP] [SEP]")
+    spans, stats = Spans(), PairStats()
+    for pass_index in range(dupe_factor):
+        rng = random.Random(derive_seed(*seed_parts, "pass", pass_index))
+        for doc_index in range(len(bounds)):
+            instances_from_document(doc_index, bounds, max_seq_length, short_seq_prob, rng, spans, stats)
+    order = list(range(stats.num_instances))
+    random.Random(derive_seed(*seed_parts, "shuffle")).shuffle(order)
+    for name in Spans.__dataclass_fields__:
+        values = getattr(spans, name)
+        setattr(spans, name, [values[j] for j in order])
+    return spans, stats
+
+
+def gather_instances(flat: np.ndarray, spans: Spans, cls_id: int, sep_id: int, id_type: pa.DataType) -> pa.Table:
+    """The shard columns for `spans`: input_ids = [CLS] A [SEP] B [SEP], segment_b_start, label, num_tokens.
+
+    One vectorised gather: the specials are appended to the token pool and every instance is five ranges of it.
+    """
+    n = len(spans.a_lo)
+    np_type = np.uint16 if id_type == pa.uint16() else np.int32
+    pool = np.concatenate([flat.astype(np_type, copy=False), np.array([cls_id, sep_id], dtype=np_type)])
+    cls_at, sep_at = len(flat), len(flat) + 1
+    a_lo, a_hi = np.asarray(spans.a_lo, np.int64), np.asarray(spans.a_hi, np.int64)
+    b_lo, b_hi = np.asarray(spans.b_lo, np.int64), np.asarray(spans.b_hi, np.int64)
+    starts = np.empty((n, 5), np.int64)
+    lengths = np.ones((n, 5), np.int64)
+    starts[:, 0], starts[:, 2], starts[:, 4] = cls_at, sep_at, sep_at
+    starts[:, 1], lengths[:, 1] = a_lo, a_hi - a_lo
+    starts[:, 3], lengths[:, 3] = b_lo, b_hi - b_lo
+    starts, lengths = starts.ravel(), lengths.ravel()
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if n else 0
+    # index of token t = starts[range] + (t - first output position of that range)
+    index = np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+    num_tokens = (a_hi - a_lo) + (b_hi - b_lo) + 3
+    offsets = np.zeros(n + 1, np.int32)
+    np.cumsum(num_tokens, out=offsets[1:])
+    input_ids = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(pool[index], id_type))
+    return pa.table({
+        "input_ids": input_ids,
+        "segment_b_start": pa.array((a_hi - a_lo + 2).astype(np.int16), pa.int16()),
+        "next_sentence_label": pa.array(np.asarray(spans.is_random, np.int8), pa.int8()),
+        "num_tokens": pa.array(num_tokens.astype(np.int16), pa.int16()),
+    })

@@ -1,0 +1,62 @@
+"""Config: YAML presets + `--set` overrides into frozen dataclasses; unknown keys and bad types are named."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from jobs.config import RootConfig, load_config
+from jobs.configtools import ConfigError, from_dict, stable_hash, to_dict
+from pipeline.config import PairsConfig
+
+
+def test_presets_load_and_every_preset_is_valid():
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert {"tiny", "bert_large", "bert_large_lamb"} <= set(presets)
+    for name in presets:
+        cfg = load_config(name)
+        assert isinstance(cfg, RootConfig)
+
+
+def test_override_reaches_nested_field_and_keeps_types():
+    cfg = load_config("tiny", ["pairs.dupe_factor=3", "pairs.max_seq_lengths=[64,128]", "seed=7",
+                               "clean.input=a.xml.bz2"])
+    assert cfg.pairs.dupe_factor == 3
+    assert cfg.pairs.max_seq_lengths == (64, 128)
+    assert cfg.seed == 7
+    assert cfg.clean.input == ("a.xml.bz2",)  # a single string becomes a one-element tuple
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ConfigError, match=r"pairs\.dupe_factr"):
+        load_config("tiny", ["pairs.dupe_factr=3"])
+    with pytest.raises(ConfigError, match="nosuchsection"):
+        load_config("tiny", ["nosuchsection.x=1"])
+
+
+def test_bad_type_is_named():
+    with pytest.raises(ConfigError, match=r"pairs\.dupe_factor.*integer"):
+        load_config("tiny", ["pairs.dupe_factor=lots"])
+    with pytest.raises(ConfigError, match=r"pairs\.short_seq_prob.*number"):
+        from_dict(PairsConfig, {"short_seq_prob": "often"}, "pairs")
+
+
+def test_config_is_frozen_and_round_trips():
+    cfg = load_config("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1  # type: ignore[misc]
+    again = from_dict(RootConfig, to_dict(cfg))
+    assert again == cfg
+    assert stable_hash(again) == stable_hash(cfg)
+
+
+def test_float_from_yaml_scientific_string():
+    # YAML 1.1 reads "1e-4" (no dot) as a string; the loader must still accept it for a float field.
+    cfg = load_config("tiny", ["pairs.short_seq_prob=1e-1"])
+    assert cfg.pairs.short_seq_prob == pytest.approx(0.1)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope"):
+        load_config(str(tmp_path / "nope.yaml"))

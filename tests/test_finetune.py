@@ -1,0 +1,169 @@
+"""GLUE fine-tuning: the trial on its own (reproducible, learns, regression and pair tasks), then the stage
+on local Ray with a real MLflow store: parent / task / trial runs, submission files, a bad task failing alone."""
+from __future__ import annotations
+
+import csv
+import io
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs.finetune import run_stage, submission_rows, trial_seed
+from jobs.finetune_config import FinetuneConfig
+from jobs.finetune_trial import TrialParams, collate, encode, load_tokenizer, run_trial
+from jobs.glue_sample import sample_files, write_sample
+from jobs.glue_tasks import TASKS, read_task
+from pipeline.stage import StageContext, StageInput, StageInputError
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A randomly initialised tiny BERT (HF layout) whose vocabulary covers the smoke sample's words."""
+    from model import BertConfig, BertForPreTraining, save_pretrained
+
+    root = tmp_path_factory.mktemp("tiny")
+    words = set()
+    for text in sample_files().values():
+        words |= set(re.findall(r"\w+|[^\w\s]", text.lower()))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(words)
+    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=len(vocab), num_hidden_layers=1))
+    save_pretrained(model, root / "export", root / "vocab.txt")
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def sample_dir(tmp_path_factory) -> Path:
+    return Path(write_sample(str(tmp_path_factory.mktemp("glue"))))
+
+
+def test_pairs_are_cls_a_sep_b_sep_truncated_and_padded_to_8(tiny_model):
+    tok = load_tokenizer(tiny_model, max_seq_length=11)
+    from jobs.glue_tasks import Examples
+
+    ex = Examples("x", ["the cat reads a book in the garden", "a dog"], ["the pilot", "the cat"])
+    enc = encode(tok, ex)
+    vocab = (tiny_model / "vocab.txt").read_text().split("\n")
+    first = [vocab[i] for i in enc.ids[0]]
+    assert len(first) == 11 and first[0] == "[CLS]" and first.count("[SEP]") == 2 and first[-1] == "[SEP]"
+    assert first[-3:-1] == ["the", "pilot"]  # longest-first: B kept, A cut
+    assert enc.types[0] == [0] * 8 + [1] * 3
+    b = collate(enc, [1, 0])
+    assert b["input_ids"].shape == (2, 16) and b["attention_mask"][0].sum() == 7 and b["attention_mask"][1].sum() == 11
+    assert b["input_ids"][0, 7:].eq(0).all()
+
+
+def test_trial_is_reproducible_and_learns(tiny_model, sample_dir):
+    data = read_task(str(sample_dir), TASKS["SST-2"])
+    params = TrialParams(learning_rate=1e-2, seed=7, batch_size=8, num_epochs=4, warmup_proportion=0.1)
+    epochs = []
+    a = run_trial(tiny_model, data, params, on_epoch=lambda e, row: epochs.append((e, row)))
+    b = run_trial(tiny_model, data, params)
+    assert a.history == b.history and a.test_predictions == b.test_predictions  # same seed, same numbers
+    assert [e for e, _ in epochs] == [1, 2, 3, 4] and a.num_steps == 4 * 12
+    assert a.history[-1]["train_loss"] < a.history[0]["train_loss"]
+    assert a.dev_metrics["SST-2"]["accuracy"] > 0.7  # the sample's sentiment words are learnable
+    c = run_trial(tiny_model, data, TrialParams(learning_rate=2e-3, seed=8, batch_size=8, num_epochs=1))
+    assert c.history[0] != a.history[0]
+    index, preds = a.test_predictions["SST-2"]
+    assert index == [str(i) for i in range(12)] and set(preds) <= {0, 1}
+
+
+def test_trial_regression_and_subsampling(tiny_model, sample_dir):
+    data = read_task(str(sample_dir), TASKS["STS-B"])
+    r = run_trial(tiny_model, data, TrialParams(learning_rate=1e-3, seed=1, batch_size=16, num_epochs=1,
+                                                max_train_examples=37))
+    assert r.num_train_examples == 37 and r.num_steps == 3
+    assert set(r.dev_metrics["STS-B"]) == {"pearson", "spearman"}
+    assert all(isinstance(p, float) for p in r.test_predictions["STS-B"][1])
+
+
+def test_submission_rows_and_seeds():
+    assert submission_rows(TASKS["MNLI"], [0, 1, 2]) == ["contradiction", "entailment", "neutral"]
+    assert submission_rows(TASKS["CoLA"], [1, 0]) == ["1", "0"]
+    assert submission_rows(TASKS["STS-B"], [-0.3, 2.25, 7.0]) == ["0.000", "2.250", "5.000"]
+    assert trial_seed(1, "RTE", 1) == trial_seed(1, "RTE", 1) != trial_seed(1, "RTE", 2) != trial_seed(2, "RTE", 1)
+    with pytest.raises(ValueError, match="learning_rates"):
+        FinetuneConfig(learning_rates=())
+
+
+def _ctx(out: Path, cfg: FinetuneConfig, tracking: dict) -> StageContext:
+    return StageContext(name="finetune", output_uri=str(out), config={"finetune": cfg}, seed=5,
+                        inputs={"pretrain": StageInput("pretrain", str(out.parent / "pretrain"), {})},
+                        tracking=tracking)
+
+
+@pytest.mark.integration
+def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
+    import mlflow
+
+    glue = Path(write_sample(str(tmp_path / "glue")))
+    # A broken task: an unknown label on line 5 of RTE's dev set. It must fail alone.
+    lines = (glue / "RTE" / "dev.tsv").read_text().split("\n")
+    lines[4] = lines[4].rsplit("\t", 1)[0] + "\tmaybe"
+    (glue / "RTE" / "dev.tsv").write_text("\n".join(lines))
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "export").symlink_to(tiny_model)  # the default init: <pretrain>/export
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("glue", artifact_location=(tmp_path / "artifacts").as_uri())
+    parent = client.create_run(exp, run_name="finetune").info.run_id
+    cfg = FinetuneConfig(glue_data_dir=str(glue), tasks=("SST-2", "STS-B", "MNLI", "RTE"),
+                         learning_rates=(3e-3, 1e-3), batch_size=16, num_epochs=2, max_concurrent_trials=3)
+    result = run_stage(_ctx(tmp_path / "out", cfg, {"tracking_uri": uri, "run_id": parent, "experiment_id": exp}))
+
+    tasks = result.extra["tasks"]
+    assert {t: v["status"] for t, v in tasks.items()} == {"SST-2": "ok", "STS-B": "ok", "MNLI": "ok", "RTE": "failed"}
+    assert "RTE/dev.tsv:5: unknown label 'maybe'" in tasks["RTE"]["error"]
+    assert result.num_rows == 6 and result.metrics["num_tasks_failed"] == 1
+    assert result.metrics["glue_score_complete"] == 0.0
+    assert len(result.raw_inputs) == 3 + 3 + 5  # SST-2, STS-B, MNLI files read (RTE stopped at its dev set)
+
+    out = tmp_path / "out"
+    with zipfile.ZipFile(out / "submission.zip") as z:
+        assert sorted(z.namelist()) == ["MNLI-m.tsv", "MNLI-mm.tsv", "SST-2.tsv", "STS-B.tsv"]
+        mnli = z.read("MNLI-mm.tsv").decode().splitlines()
+    assert mnli[0] == "index\tprediction" and len(mnli) == 13
+    assert all(row.split("\t")[1] in ("entailment", "neutral", "contradiction") for row in mnli[1:])
+    table = list(csv.DictReader(io.StringIO((out / "summary.csv").read_text())))
+    assert [r["task"] for r in table] == ["SST-2", "STS-B", "MNLI", "RTE"] and table[3]["status"] == "failed"
+    assert "PARTIAL" in (out / "summary.md").read_text()
+
+    runs = client.search_runs([exp], max_results=100)
+    by_parent: dict[str, list] = {}
+    for r in runs:
+        by_parent.setdefault(r.data.tags.get("mlflow.parentRunId"), []).append(r)
+    task_runs = {r.info.run_name: r for r in by_parent[parent]}
+    assert set(task_runs) == {"SST-2", "STS-B", "MNLI", "RTE"}
+    assert task_runs["RTE"].info.status == "FAILED" and "maybe" in task_runs["RTE"].data.tags["bertpipe.error"]
+    mnli_trials = by_parent[task_runs["MNLI"].info.run_id]
+    assert len(mnli_trials) == 2 and all(t.info.status == "FINISHED" for t in mnli_trials)
+    history = client.get_metric_history(mnli_trials[0].info.run_id, "MNLI-mm.accuracy")
+    assert sorted(m.step for m in history) == [1, 2]  # logged per epoch from the Ray worker
+    assert {"learning_rate", "seed", "task"} <= set(mnli_trials[0].data.params)
+    parent_metrics = client.get_run(parent).data.metrics
+    assert {"dev.SST-2", "dev.STS-B", "dev.MNLI", "glue_score"} <= set(parent_metrics)
+    assert "dev.RTE" not in parent_metrics
+    artifacts = {a.path for a in client.list_artifacts(parent, "glue")}
+    assert artifacts == {"glue/summary.md", "glue/summary.csv", "glue/submission.zip"}
+
+
+@pytest.mark.integration
+def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path):
+    cfg = FinetuneConfig(init=str(tiny_model), tasks=("WNLI", "CoLA"), learning_rates=(1e-3,), num_epochs=1,
+                         max_concurrent_trials=1)
+    result = run_stage(_ctx(tmp_path / "out", cfg, {}))  # no tracking: MLflow skipped
+    assert (tmp_path / "out" / "smoke_glue" / "README.txt").read_text().startswith("SMOKE SAMPLE - NOT GLUE")
+    assert result.extra["submission"] == ["CoLA.tsv", "WNLI.tsv"] and result.num_rows == 2
+    # Every task bad (a folder named but absent, an empty file) → the stage fails, naming them.
+    bad = tmp_path / "bad"
+    (bad / "CoLA").mkdir(parents=True)
+    (bad / "CoLA" / "train.tsv").write_text("")
+    cfg = FinetuneConfig(init=str(tiny_model), glue_data_dir=str(bad), tasks=("CoLA", "WNLI"), num_epochs=1)
+    with pytest.raises(StageInputError, match=r"CoLA/train.tsv: empty file.*WNLI: task folder or train.tsv missing"):
+        run_stage(_ctx(tmp_path / "out2", cfg, {}))
