@@ -101,8 +101,8 @@ def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dic
         if rows[f"heldout_{L}"] < cfg.num_workers:
             raise StageInputError(f"held-out shard {heldout} has {rows[f'heldout_{L}']} rows, fewer than the "
                                   f"{cfg.num_workers} workers")
-        datasets[f"train_{L}"] = ray.data.read_parquet(train, columns=COLUMNS)
-        datasets[f"heldout_{L}"] = ray.data.read_parquet(heldout, columns=COLUMNS)
+        datasets[f"train_{L}"] = ray.data.read_parquet(train).select_columns(COLUMNS)
+        datasets[f"heldout_{L}"] = ray.data.read_parquet(heldout).select_columns(COLUMNS)
     return datasets, rows
 
 

@@ -146,6 +146,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 position = json.load(f)
         log.info("rank %d resumed at %s", rank, position)
     step = position["step"]
+    resumed_from = step
     assert engine.global_steps == step, (engine.global_steps, step)
 
     last_metrics: dict[str, float] = {}
@@ -220,10 +221,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             if step < phase_end:
                 position = {"step": step, "phase": phase_index, "epoch": epoch + 1, "batch": 0}
 
-    final = {"step": step, **last_metrics}
-    last_L = cfg.phases[-1 if steps[-1] else 0].max_seq_length
-    last_spec = MaskingSpec.from_vocab(tokens, max_seq_length=last_L,
-                                       max_predictions=cfg.phases[-1 if steps[-1] else 0].max_predictions_per_seq)
+    # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.
+    final = {"step": step, "resumed_from_step": resumed_from, **last_metrics}
+    last = cfg.phases[-1] if steps[-1] else cfg.phases[0]
+    last_L = last.max_seq_length
+    last_spec = MaskingSpec.from_vocab(tokens, max_seq_length=last_L, max_predictions=last.max_predictions_per_seq)
     final.update(evaluate(engine, ray.train.get_dataset_shard(f"heldout_{last_L}"), last_spec, cfg, seed, rank,
                           device))
     tracker.metrics({k: v for k, v in final.items() if k.startswith("eval_")}, step)

@@ -221,7 +221,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     saved_order = data_ctx.execution_options.preserve_order
     data_ctx.execution_options.preserve_order = True  # same seed -> same blocks in the same order -> same bytes
     try:
-        docs = ray.data.read_parquet(files, columns=["id", "text"])
+        docs = ray.data.read_parquet(files).select_columns(["id", "text"])
         tokenized = docs.map_batches(tokenize_batch, batch_size=cfg.docs_per_tokenize_batch, batch_format="pyarrow",
                                      fn_kwargs={"vocab_uri": vocab_uri, "lowercase": lowercase}).materialize()
         num_docs = tokenized.count()

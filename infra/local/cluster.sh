@@ -34,6 +34,9 @@ MLFLOW_PORT="${BERTPIPE_MLFLOW_PORT:-5000}"
 NUM_CPUS="${BERTPIPE_NUM_CPUS:-4}"
 NUM_GPUS="${BERTPIPE_NUM_GPUS:-}"
 START_TIMEOUT="${BERTPIPE_START_TIMEOUT:-120}"
+# Absolute paths: start_ray changes directory, and pid files must mean the same thing to `stop`.
+case "$STATE_DIR" in /*) ;; *) STATE_DIR="$PWD/$STATE_DIR" ;; esac
+case "$TOKEN_FILE" in /*) ;; *) TOKEN_FILE="$PWD/$TOKEN_FILE" ;; esac
 
 RAY_TMP="$STATE_DIR/ray"
 RAY_PID="$STATE_DIR/ray.pid"
@@ -121,8 +124,12 @@ ensure_token() {
 }
 
 print_env() {
+    # Two addresses because Ray takes two kinds: the Jobs API wants the dashboard URL (ray job *,
+    # JobSubmissionClient, bertpipe submit read RAY_API_SERVER_ADDRESS first), while a driver's
+    # ray.init() and `ray status` want the GCS address and refuse an http:// RAY_ADDRESS.
     cat <<EOF
-export RAY_ADDRESS=$DASHBOARD_URL
+export RAY_API_SERVER_ADDRESS=$DASHBOARD_URL
+export RAY_ADDRESS=127.0.0.1:$RAY_PORT
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=$TOKEN_FILE
 export MLFLOW_TRACKING_URI=$MLFLOW_URL
@@ -149,6 +156,9 @@ start_ray() {
     if python3 -c 'import grpc' 2>/dev/null; then args+=(--ray-client-server-port $((RAY_PORT + 7))); fi
     if [ -n "$NUM_GPUS" ]; then args+=(--num-gpus "$NUM_GPUS"); fi
     # The token file is the single source: an RAY_AUTH_TOKEN inherited from the shell would win over it.
+    # Jobs submitted without a working_dir run in the directory `ray start` ran in: the repo root, so
+    # `bertpipe run --config configs/tiny.yaml` resolves as it does in the image's WORKDIR.
+    cd "$REPO"
     spawn_detached "$RAY_LOG" env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$TOKEN_FILE" \
         "${args[@]}" >"$RAY_PID"
     log "starting Ray head (pid $(cat "$RAY_PID"), log $RAY_LOG)"

