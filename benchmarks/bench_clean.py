@@ -105,18 +105,10 @@ def replicate_dump(src: str, dest: Path, copies: int) -> Path:
 
 _WORKER = """
 import json, resource, sys, time
-import numpy as np
-from pipeline.clean import clean_pages_batch, read_unit_rows
-t = time.perf_counter(); rows = 0; batch = []
-def flush(batch):
-    cols = {k: np.array([r[k] for r in batch], dtype=object) for k in batch[0]}
-    for k in ("id", "ns", "num_bytes"): cols[k] = cols[k].astype(np.int64)
-    for k in ("redirect", "truncated"): cols[k] = cols[k].astype(bool)
-    return len(clean_pages_batch(cols, min_paragraph_chars=20, min_article_chars=200, skip_disambiguation=True)["id"])
-for row in read_unit_rows({"uri": sys.argv[1], "start": -1, "end": -1}, max_page_bytes=4_000_000):
-    batch.append(row)
-    if len(batch) == 64: rows += flush(batch); batch = []
-if batch: rows += flush(batch)
+from pipeline.clean import read_and_clean_unit
+t = time.perf_counter()
+rows = sum(1 for _ in read_and_clean_unit({"uri": sys.argv[1], "start": -1, "end": -1}, max_page_bytes=4_000_000,
+           pages_per_batch=64, min_paragraph_chars=20, min_article_chars=200, skip_disambiguation=True))
 print(json.dumps({"pages": rows, "seconds": time.perf_counter() - t,
                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """

@@ -56,7 +56,9 @@ def find_preset(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
-    for candidate in (CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.yaml"):
+    # `configs/tiny.yaml` must also resolve when a job runs from another directory than the repo root.
+    for candidate in (CONFIG_DIR.parent / name_or_path, CONFIG_DIR / name_or_path,
+                      CONFIG_DIR / f"{name_or_path}.yaml"):
         if candidate.is_file():
             return candidate
     known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []

@@ -51,6 +51,10 @@ class FinetuneConfig:
             raise ValueError(f"finetune.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
         if self.max_seq_length < 8:
             raise ValueError(f"finetune.max_seq_length must be >= 8, got {self.max_seq_length}")
+        from jobs.glue_tasks import get_task
+
+        for task in self.tasks:
+            get_task(task)  # unknown name → ValueError listing the nine
         for name in ("max_train_examples", "max_concurrent_trials", "gpus_per_trial", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"finetune.{name} must be >= 0, got {getattr(self, name)}")

@@ -150,7 +150,10 @@ def run_trial(model_dir: str | Path, data: TaskData, p: TrialParams,
     steps_per_epoch = math.ceil(len(train) / p.batch_size)
     total = steps_per_epoch * p.num_epochs
     warmup = int(total * p.warmup_proportion)
-    opt = torch.optim.AdamW(_param_groups(model, p.weight_decay), lr=p.learning_rate, eps=p.adam_epsilon)
+    # Fused AdamW: one kernel over all tensors; on CPU it is measurably cheaper than the foreach default for the
+    # 30k-row embedding that every step updates (transformers' Trainer uses it too).
+    opt = torch.optim.AdamW(_param_groups(model, p.weight_decay), lr=p.learning_rate, eps=p.adam_epsilon,
+                            fused=p.device in ("cpu", "cuda"))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
 

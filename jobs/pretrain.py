@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from jobs.configtools import stable_hash, to_dict
@@ -81,6 +82,39 @@ def run_name(ctx: StageContext, cfg: PretrainConfig) -> str:
     key = {k: to_dict(v) for k, v in ctx.config.items()}
     key["pretrain"].pop("fail_at_step", None)
     return "pretrain-" + stable_hash({"config": key, "seed": ctx.seed, "inputs": ids})[:12]
+
+
+def latest_checkpoint(storage_path: str, name: str, cfg: PretrainConfig) -> str | None:
+    """The complete checkpoint with the highest step under <storage_path>/<name>, or None.
+
+    Ray Train V2 restores a rerun with the same (storage_path, name) from its snapshot, but a run that died
+    right after reporting may not have written the snapshot yet; scanning the folders (a checkpoint counts once
+    every rank's DeepSpeed files and our position.json are there) makes the rerun resume in that case too."""
+    from jobs.pretrain_loop import CKPT_TAG, STATE_FILE
+
+    run_dir = storage.join(storage_path, name)
+    if not storage.exists(run_dir):
+        return None
+    fs, path = storage.resolve(run_dir)
+    best: tuple[int, str] | None = None
+    for info in fs.get_file_info(pafs.FileSelector(path)):
+        base = posixpath.basename(info.path)
+        if info.type != pafs.FileType.Directory or not base.startswith("checkpoint_"):
+            continue
+        ckpt = storage.join(run_dir, base)
+        if cfg.zero_stage == 0:
+            needed = ["mp_rank_00_model_states.pt"]
+        else:
+            needed = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(cfg.num_workers)]
+        if not all(storage.exists(storage.join(ckpt, CKPT_TAG, n)) for n in needed):
+            continue
+        try:
+            step = int(json.loads(storage.read_text(storage.join(ckpt, STATE_FILE)))["step"])
+        except (OSError, ValueError, KeyError):
+            continue
+        if best is None or step > best[0]:
+            best = (step, ckpt)
+    return best[1] if best else None
 
 
 def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dict[str, Any], dict[str, int]]:
@@ -160,13 +194,15 @@ def run_stage(ctx: StageContext) -> StageResult:
             raise ValueError("pretrain.fail_at_step (a test hook) needs a local storage_path")
         os.makedirs(os.path.join(storage_path, name), exist_ok=True)
         marker = os.path.join(storage_path, name, "fault_injected")
-    log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s", cfg.num_workers, cfg.zero_stage,
-             list(cfg.phase_steps()), storage_path, name)
+    resume = latest_checkpoint(storage_path, name, cfg)
+    log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
+             list(cfg.phase_steps()), storage_path, name, f", resuming from {resume}" if resume else "")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"pretrain": cfg, "model": model_cfg, "seed": ctx.seed, "vocab_tokens": tokens,
                            "vocab_bytes": vocab_bytes, "tracking": dict(ctx.tracking),
-                           "export_uri": storage.join(ctx.output_uri, "export"), "fail_marker": marker},
+                           "export_uri": storage.join(ctx.output_uri, "export"), "fail_marker": marker,
+                           "resume_checkpoint": resume},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                                resources_per_worker={"CPU": cfg.cpus_per_worker}),
         run_config=ray.train.RunConfig(

@@ -138,7 +138,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         lr_scheduler=lambda opt: make_scheduler(cfg, opt))
 
     position = {"step": 0, "phase": 0, "epoch": 0, "batch": 0}
+    # Ray Train's own (a retry, or a rerun it has a snapshot for) first; else the driver's scan of the run folder.
     checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and config.get("resume_checkpoint"):
+        checkpoint = ray.train.Checkpoint(config["resume_checkpoint"])
     if checkpoint:
         with checkpoint.as_directory() as d:
             engine.load_checkpoint(d, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -208,7 +211,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     if not os.path.exists(marker):
                         open(marker, "w").close()
                         os._exit(1)  # simulated worker crash (test hook), only on the first attempt
-                last_metrics = _maybe_log(engine, scheduler, cfg, window, step, phase_end, L, device, tracker)
+                last_metrics = _maybe_log(engine, scheduler, cfg, window, step, phase_end, L, device, tracker) or last_metrics
                 if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.max_steps:
                     ev = evaluate(engine, eval_shard, spec, cfg, seed, rank, device)
                     tracker.metrics(ev, step)

@@ -25,8 +25,10 @@ def _address(args) -> str:
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
-    if os.environ.get("RAY_AUTH_MODE") != "token" and os.path.exists(os.path.expanduser("~/.ray/auth_token")):
-        # A token exists but auth mode is unset: the client would send nothing and get a 401.
+    has_token = (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+                 or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
+    if os.environ.get("RAY_AUTH_MODE") != "token" and has_token:
+        # A token is at hand but auth mode is unset: the client would send nothing and get a 401.
         os.environ["RAY_AUTH_MODE"] = "token"
     return JobSubmissionClient(address)
 

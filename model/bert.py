@@ -172,6 +172,9 @@ class BertModel(nn.Module):
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None,
                 attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids, token_type_ids [B, T] long; attention_mask [B, T] with 1/True = real token, 0 = pad."""
+        if input_ids.size(1) > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {input_ids.size(1)} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids)  # [B, T, H]

@@ -13,7 +13,7 @@ GENSIM_WHEEL_SPEC = "gensim==4.4.0"
 SAMPLE_FILES = (
     "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",  # 206 pages, 106 articles
     "enwiki-table-markup.xml.bz2",  # 5 pages heavy with tables
-    "bgwiki-latest-pages-articles-shortened.xml.bz2",  # UTF-16LE + CRLF: must be refused clearly
+    "bgwiki-latest-pages-articles-shortened.xml.bz2",  # UTF-16LE + CRLF: the reader decodes it (expat follows the BOM)
 )
 DEFAULT_DEST = Path("data/sample")
 

@@ -89,6 +89,8 @@ def test_submission_rows_and_seeds():
     assert trial_seed(1, "RTE", 1) == trial_seed(1, "RTE", 1) != trial_seed(1, "RTE", 2) != trial_seed(2, "RTE", 1)
     with pytest.raises(ValueError, match="learning_rates"):
         FinetuneConfig(learning_rates=())
+    with pytest.raises(ValueError, match="unknown GLUE task .SST2."):
+        FinetuneConfig(tasks=("SST2",))
 
 
 def _ctx(out: Path, cfg: FinetuneConfig, tracking: dict) -> StageContext:

@@ -58,8 +58,13 @@ die() { log "error: $*"; exit 1; }
 
 is_int() { [[ "$1" =~ ^[0-9]+$ ]]; }
 
+proc_alive() {  # pid -> 0 if running (an unreaped zombie does not count)
+    local stat
+    stat="$(ps -o stat= -p "$1" 2>/dev/null)" && [ -n "$stat" ] && [[ "$stat" != Z* ]]
+}
+
 pid_alive() {  # pid file -> 0 if its process is alive
-    [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+    [ -f "$1" ] && proc_alive "$(cat "$1")"
 }
 
 http_code() {  # url [curl args...] -> HTTP status ("000" when nothing answers)
@@ -74,42 +79,46 @@ port_busy() {  # bash's /dev/tcp: no dependency on ss/lsof/nc
 spawn_detached() {  # log file, command... -> starts it as a new session (own process group), prints pid
     local logfile="$1"; shift
     # setsid(2) through Python: util-linux `setsid` is missing on macOS, Python is always here.
+    # (setsid fails only for a process-group leader, which a background job of this script is not.)
     nohup python3 -c 'import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" \
         >"$logfile" 2>&1 </dev/null &
     echo $!
 }
 
 wait_healthy() {  # name, pid file, url, log -> waits until url answers 200 while the pid lives
-    local name="$1" pidfile="$2" url="$3" logfile="$4" waited=0
+    local name="$1" pidfile="$2" url="$3" logfile="$4" deadline=$((SECONDS + START_TIMEOUT))
     until [ "$(http_code "$url")" = 200 ]; do
         if ! pid_alive "$pidfile"; then
             log "$name exited during start-up; last lines of $logfile:"
             tail -n 20 "$logfile" >&2 || true
             return 1
         fi
-        if [ "$waited" -ge $((START_TIMEOUT * 2)) ]; then
+        if [ "$SECONDS" -ge "$deadline" ]; then
             log "$name not healthy after ${START_TIMEOUT}s at $url; last lines of $logfile:"
             tail -n 20 "$logfile" >&2 || true
             return 1
         fi
         sleep 0.5
-        waited=$((waited + 1))
     done
+}
+
+group_alive() {  # pgid -> 0 while a live (non-zombie) process is in that group
+    ps -A -o pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'
 }
 
 kill_group() {  # pid file, grace seconds -> TERM the leader, wait, then KILL what is left of its group
     local pidfile="$1" grace="$2" pid n=0
     [ -f "$pidfile" ] || return 0
     pid="$(cat "$pidfile")"
-    if kill -0 "$pid" 2>/dev/null; then
+    if proc_alive "$pid"; then
         kill -TERM "$pid" 2>/dev/null || true
-        while kill -0 "$pid" 2>/dev/null && [ "$n" -lt $((grace * 4)) ]; do sleep 0.25; n=$((n + 1)); done
+        while proc_alive "$pid" && [ "$n" -lt $((grace * 4)) ]; do sleep 0.25; n=$((n + 1)); done
     fi
     # The leader made its own session, so its pid is the process group id of everything it spawned.
-    if pgrep -g "$pid" >/dev/null 2>&1; then
+    if group_alive "$pid"; then
         kill -TERM -- "-$pid" 2>/dev/null || true
         n=0
-        while pgrep -g "$pid" >/dev/null 2>&1 && [ "$n" -lt 20 ]; do sleep 0.25; n=$((n + 1)); done
+        while group_alive "$pid" && [ "$n" -lt 20 ]; do sleep 0.25; n=$((n + 1)); done
         kill -KILL -- "-$pid" 2>/dev/null || true
     fi
     rm -f "$pidfile"
@@ -138,11 +147,6 @@ EOF
 
 start_ray() {
     if pid_alive "$RAY_PID"; then log "Ray head already running (pid $(cat "$RAY_PID"))"; return 0; fi
-    local p
-    for p in "$RAY_PORT" $((RAY_PORT + 1)) $((RAY_PORT + 2)) $((RAY_PORT + 3)) $((RAY_PORT + 4)) \
-             $((RAY_PORT + 5)) $((RAY_PORT + 6)) $((RAY_PORT + 7)) "$DASHBOARD_PORT"; do
-        port_busy "$p" && die "port $p is in use; set BERTPIPE_RAY_PORT / BERTPIPE_DASHBOARD_PORT"
-    done
     ensure_token
     mkdir -p "$RAY_TMP"
     local args=(ray start --head --block --disable-usage-stats
@@ -168,7 +172,6 @@ start_ray() {
 
 start_mlflow() {
     if pid_alive "$MLFLOW_PID"; then log "MLflow already running (pid $(cat "$MLFLOW_PID"))"; return 0; fi
-    port_busy "$MLFLOW_PORT" && die "port $MLFLOW_PORT is in use; set BERTPIPE_MLFLOW_PORT"
     mkdir -p "$MLFLOW_DIR/artifacts"
     # --artifacts-destination: the server proxies artifact uploads, so Ray workers need only the
     # tracking URI, as on a real cluster. Job execution (GenAI evaluation jobs) is off: unused here,
@@ -187,6 +190,17 @@ cmd_start() {
     done
     command -v ray >/dev/null || die "ray not found: activate the project's virtual environment"
     command -v mlflow >/dev/null || die "mlflow not found: activate the project's virtual environment"
+    # All ports first, so that a busy one stops the start before anything is spawned.
+    local p
+    if ! pid_alive "$RAY_PID"; then
+        for p in "$RAY_PORT" $((RAY_PORT + 1)) $((RAY_PORT + 2)) $((RAY_PORT + 3)) $((RAY_PORT + 4)) \
+                 $((RAY_PORT + 5)) $((RAY_PORT + 6)) $((RAY_PORT + 7)) "$DASHBOARD_PORT"; do
+            port_busy "$p" && die "port $p is in use; set BERTPIPE_RAY_PORT / BERTPIPE_DASHBOARD_PORT"
+        done
+    fi
+    if ! pid_alive "$MLFLOW_PID"; then
+        port_busy "$MLFLOW_PORT" && die "port $MLFLOW_PORT is in use; set BERTPIPE_MLFLOW_PORT"
+    fi
     mkdir -p "$STATE_DIR"
     local t0=$SECONDS
     if ! start_ray || ! start_mlflow; then

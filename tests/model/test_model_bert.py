@@ -268,3 +268,9 @@ def test_low_precision_autocast_all_pad_row_finite(dtype):
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
         out = model(ids, tt, am)
     assert torch.isfinite(out.mlm_logits.float()).all() and torch.isfinite(out.nsp_logits.float()).all()
+
+
+def test_too_long_sequence_is_a_clear_error():
+    model = BertModel(dataclasses.replace(TINY, max_position_embeddings=6))
+    with pytest.raises(ValueError, match="max_position_embeddings 6"):
+        model(*batch())

@@ -254,7 +254,3 @@ def test_real_minilm_weights_match_transformers():
     real = am.bool()
     assert (seq - ref.last_hidden_state)[real].abs().max() <= 1e-5
     assert (pooled - ref.pooler_output).abs().max() <= 1e-5
-    # the same encoder under the pre-training model (heads fresh) gives the same hidden states
-    with torch.no_grad():
-        seq2, _ = load_pretrained(directory).eval().bert(ids, tt, am)
-    assert torch.equal(seq, seq2)

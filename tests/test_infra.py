@@ -1,0 +1,452 @@
+"""Cluster infrastructure: KubeRay manifests against the real CRD schemas, the cluster-launcher YAML against
+Ray's own validator, the fields that make a deployment safe (pinned image, token auth, no exposed dashboard,
+GPU resources, MLflow on a database), and infra/local/cluster.sh really starting and stopping Ray + MLflow.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+INFRA = REPO / "infra"
+CRD_DIR = REPO.parent / "shared" / "schemas" / "kuberay"
+CLUSTER_SH = INFRA / "local" / "cluster.sh"
+TOKEN_SECRET_KEY = "auth_token"  # the data key KubeRay reads from the auth Secret
+
+
+def load(rel: str) -> dict:
+    return yaml.safe_load((INFRA / rel).read_text())
+
+
+def load_all(rel: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((INFRA / rel).read_text()) if d]
+
+
+def strict(schema):
+    """Forbid unknown fields wherever the CRD lists properties, as the API server's pruning / kubectl's
+    strict validation would: plain JSON-schema validation of a CRD accepts any misspelt field."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out \
+                and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+@functools.lru_cache(maxsize=None)
+def _crd(path: Path) -> dict:
+    # The CRDs are ~20k lines: libyaml's loader takes a fraction of the pure-Python one's time.
+    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def crd_validator(crd_file: str):
+    jsonschema = pytest.importorskip("jsonschema")
+    path = CRD_DIR / crd_file
+    if not path.is_file():
+        pytest.skip(f"KubeRay CRD schemas not present at {CRD_DIR} (../shared is only on developer machines)")
+    crd = _crd(path)
+    served = [v for v in crd["spec"]["versions"] if v.get("served") and v.get("storage")]
+    assert len(served) == 1, "expected exactly one served storage version"
+    return served[0]["name"], jsonschema.Draft7Validator(strict(served[0]["schema"]["openAPIV3Schema"]))
+
+
+def errors(validator, doc) -> list[str]:
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def pod_specs(cluster_spec: dict) -> dict[str, dict]:
+    """groupName ('head' for the head) -> pod spec of a RayCluster spec."""
+    specs = {"head": cluster_spec["headGroupSpec"]["template"]["spec"]}
+    for group in cluster_spec.get("workerGroupSpecs", []):
+        specs[group["groupName"]] = group["template"]["spec"]
+    return specs
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def walk(node, key: str):
+    """Every value stored under `key` anywhere in a nested YAML document."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key:
+                yield v
+            yield from walk(v, key)
+    elif isinstance(node, list):
+        for v in node:
+            yield from walk(v, key)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schemas
+
+
+@pytest.mark.parametrize("rel,crd_file,kind", [
+    ("kuberay/raycluster.yaml", "ray.io_rayclusters.yaml", "RayCluster"),
+    ("kuberay/rayjob.yaml", "ray.io_rayjobs.yaml", "RayJob"),
+])
+def test_kuberay_manifests_validate_against_crd(rel, crd_file, kind):
+    version, validator = crd_validator(crd_file)
+    doc = load(rel)
+    assert doc["kind"] == kind and doc["apiVersion"] == f"ray.io/{version}"
+    assert errors(validator, doc) == []
+
+
+def test_crd_validation_catches_misspelt_and_mistyped_fields():
+    _, validator = crd_validator("ray.io_rayclusters.yaml")
+    doc = load("kuberay/raycluster.yaml")
+    bad = copy.deepcopy(doc)
+    bad["spec"]["workerGroupSpecs"][0]["minReplica"] = 1          # misspelt
+    bad["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-gpus"] = 8   # must be a string
+    bad["spec"]["authOptions"]["mode"] = "tokens"                 # not in the enum
+    found = "\n".join(errors(validator, bad))
+    assert "minReplica" in found and "num-gpus" in found and "tokens" in found
+
+
+def test_every_infra_yaml_parses():
+    files = sorted(INFRA.rglob("*.yaml"))
+    assert len(files) >= 4
+    for path in files:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        assert docs and all(isinstance(d, dict) for d in docs), path
+
+
+def test_cluster_launcher_yaml_passes_rays_validator():
+    ray_util = pytest.importorskip("ray.autoscaler._private.util")
+    config = ray_util.prepare_config(load("cluster-launcher/aws.yaml"))  # fills defaults as `ray up` does
+    ray_util.validate_config(config)
+    assert config["provider"]["type"] == "aws"
+    assert config["available_node_types"][config["head_node_type"]]["resources"] == {"CPU": 0}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The fields that matter
+
+
+def all_images() -> dict[str, str]:
+    images = {}
+    for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml", "mlflow/mlflow.yaml"):
+        for doc in load_all(rel):
+            for i, image in enumerate(walk(doc, "image")):
+                images[f"{rel}#{i}"] = image
+    images["cluster-launcher/aws.yaml"] = load("cluster-launcher/aws.yaml")["docker"]["image"]
+    return images
+
+
+def test_images_are_pinned_and_the_same_everywhere():
+    images = all_images()
+    assert len(images) >= 8
+    for where, image in images.items():
+        name, _, tag = image.rpartition(":")
+        assert "@sha256:" in image or (name and "/" not in tag and tag not in ("", "latest")), (where, image)
+    # One image for head, workers, submitter and MLflow: a version skew between them breaks Ray.
+    assert len(set(images.values())) == 1, images
+
+    base = re.search(r"^FROM\s+(\S+)", (INFRA / "docker" / "Dockerfile").read_text(), re.M).group(1)
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-[a-z-]+-ubuntu\d+\.\d+(@sha256:[0-9a-f]{64})?", base), base
+
+
+def test_image_pins_are_the_tested_versions():
+    """The image installs exactly what the test suite runs against (torch there is +cpu of the same release)."""
+    import importlib.metadata as md
+
+    pins = {}
+    for line in (INFRA / "docker" / "constraints.txt").read_text().splitlines():
+        line = line.split(" #")[0].strip()
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep, f"unpinned requirement in constraints.txt: {line!r}"
+            pins[re.sub(r"\[.*\]", "", name).lower()] = version
+    for package in ("ray", "torch", "deepspeed", "mlflow", "tokenizers", "pyarrow"):
+        assert pins[package] == md.version(package).split("+")[0], package
+    assert "psycopg2-binary" in pins  # the MLflow server's PostgreSQL driver lives in the same image
+    # The Jobs API needs the dashboard, which needs ray[default].
+    assert "ray[default," in (INFRA / "docker" / "constraints.txt").read_text()
+    for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml"):
+        spec = load(rel)["spec"]
+        assert (spec.get("rayClusterSpec") or spec)["rayVersion"] == pins["ray"]
+
+
+def test_gpu_worker_groups_request_gpus_and_tell_ray():
+    for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml"):
+        spec = load(rel)["spec"]
+        spec = spec.get("rayClusterSpec", spec)
+        gpu_groups = [g for g in spec["workerGroupSpecs"] if "num-gpus" in g["rayStartParams"]]
+        assert gpu_groups, rel
+        for group in gpu_groups:
+            container = group["template"]["spec"]["containers"][0]
+            limits = container["resources"]["limits"]
+            assert int(limits["nvidia.com/gpu"]) == int(group["rayStartParams"]["num-gpus"]) > 0
+            assert group["minReplicas"] == 0 or rel.endswith("rayjob.yaml")  # long-lived cluster scales to zero
+        head_params = spec["headGroupSpec"]["rayStartParams"]
+        assert head_params.get("num-cpus") == "0"  # nothing scheduled on the head
+    assert load("kuberay/raycluster.yaml")["spec"]["enableInTreeAutoscaling"] is True
+    launcher = load("cluster-launcher/aws.yaml")["available_node_types"]
+    assert launcher["gpu_worker"]["resources"]["GPU"] == 8 and launcher["gpu_worker"]["min_workers"] == 0
+
+
+def test_rayjob_entrypoint_is_the_cli_with_a_valid_config():
+    from jobs.config import load_config
+
+    spec = load("kuberay/rayjob.yaml")["spec"]
+    argv = shlex.split(spec["entrypoint"])
+    assert argv[:4] == ["bertpipe", "run", "--config", "configs/bert_large.yaml"]
+    opts = {"--set": []}
+    for flag, value in zip(argv[4::2], argv[5::2]):
+        if flag == "--set":
+            opts["--set"].append(value)
+        else:
+            opts[flag] = value
+    cfg = load_config(str(REPO / argv[3]), overrides=opts["--set"], workdir=opts.get("--workdir"))
+    assert cfg.pretrain.use_gpu and cfg.workdir.startswith("s3://")
+    # The job's cluster must be able to hold every training worker at once.
+    gpu_group = next(g for g in spec["rayClusterSpec"]["workerGroupSpecs"] if g["groupName"] == "gpu")
+    gpus_per_pod = int(gpu_group["rayStartParams"]["num-gpus"])
+    cpus_per_pod = int(gpu_group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"])
+    assert cfg.pretrain.num_workers <= gpu_group["maxReplicas"] * gpus_per_pod
+    assert cfg.pretrain.cpus_per_worker * gpus_per_pod < cpus_per_pod  # CPUs left for Ray Data tasks
+    # Resources only: nothing in the manifest that belongs in the config.
+    assert "env_vars" in yaml.safe_load(spec["runtimeEnvYAML"]) and "working_dir" not in spec["runtimeEnvYAML"]
+
+    launcher = load("cluster-launcher/aws.yaml")
+    assert any(c.startswith("bertpipe ") for c in launcher["setup_commands"])
+
+
+def test_token_auth_everywhere_and_token_only_from_a_secret():
+    for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml"):
+        spec = load(rel)["spec"]
+        containers = [pod["containers"][0] for pod in pod_specs(spec.get("rayClusterSpec", spec)).values()]
+        if "submitterPodTemplate" in spec:
+            containers.append(spec["submitterPodTemplate"]["spec"]["containers"][0])
+        cluster = spec.get("rayClusterSpec", spec)
+        secret = cluster["authOptions"]["secretName"]
+        assert cluster["authOptions"]["mode"] == "token"
+        for container in containers:
+            env = env_of(container)
+            assert env["RAY_AUTH_MODE"]["value"] == "token", (rel, container["name"])
+            ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+            assert (ref["name"], ref["key"]) == (secret, TOKEN_SECRET_KEY), (rel, container["name"])
+            assert "value" not in env["RAY_AUTH_TOKEN"]
+    text = "".join((INFRA / rel).read_text() for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml"))
+    assert not re.search(r"\b[0-9a-f]{32,}\b", text), "something that looks like a token is committed"
+
+    launcher = load("cluster-launcher/aws.yaml")
+    run_options = " ".join(launcher["docker"]["run_options"])
+    assert "--env RAY_AUTH_MODE=token" in run_options
+    token_path = re.search(r"--env RAY_AUTH_TOKEN_PATH=(\S+)", run_options).group(1)
+    assert token_path in launcher["file_mounts"]  # the token travels as a file, never on a command line
+    assert "RAY_AUTH_TOKEN=" not in yaml.safe_dump(launcher)
+
+
+def test_dashboard_is_not_exposed():
+    for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml", "mlflow/mlflow.yaml"):
+        for doc in load_all(rel):
+            for service_type in walk(doc, "serviceType"):
+                assert service_type == "ClusterIP", rel
+            if doc["kind"] == "Service":
+                assert doc["spec"].get("type", "ClusterIP") == "ClusterIP", rel
+    spec = load("kuberay/raycluster.yaml")["spec"]
+    assert spec["headGroupSpec"]["serviceType"] == "ClusterIP"
+    head_cmd = " ".join(load("cluster-launcher/aws.yaml")["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head_cmd and "0.0.0.0" not in head_cmd
+
+
+def test_mlflow_server_uses_a_database_and_an_object_store():
+    docs = {d["kind"]: d for d in load_all("mlflow/mlflow.yaml")}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    argv = server["command"] + server["args"]
+    assert argv[:2] == ["mlflow", "server"]
+    # The backend URI (with its password) comes from a Secret through mlflow's env var, not argv.
+    ref = env_of(server)["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] and ref["key"]
+    assert not any("sqlite" in a or "--backend-store-uri" in a for a in argv)
+    assert any(re.fullmatch(r"--artifacts-destination=s3://\S+", a) for a in argv)
+    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    upgrade = pod["initContainers"][0]
+    assert "mlflow db upgrade" in " ".join(upgrade["command"])
+    assert env_of(upgrade)["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"] == ref
+    assert docs["Service"]["spec"]["ports"][0]["port"] == 5000
+    # The manifests point Ray at this Service.
+    uri = env_of(pod_specs(load("kuberay/raycluster.yaml")["spec"])["head"]["containers"][0])
+    assert uri["MLFLOW_TRACKING_URI"]["value"] == "http://mlflow.bertpipe.svc.cluster.local:5000"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# infra/local/cluster.sh
+
+
+def free_port_block(size: int, *, lo: int = 20000, hi: int = 45000) -> int:
+    """First port of `size` consecutive ports that are free right now on 127.0.0.1."""
+    import random
+
+    rng = random.Random(os.getpid())
+    for _ in range(200):
+        base = rng.randrange(lo, hi - size)
+        socks = []
+        try:
+            for port in range(base, base + size):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+def script_env(state: Path, base: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_", "MLFLOW_", "BERTPIPE_"))}  # the developer's own cluster must not leak in
+    env.update(BERTPIPE_LOCAL_DIR=str(state), BERTPIPE_RAY_TOKEN_FILE=str(state / "token"),
+               BERTPIPE_RAY_PORT=str(base), BERTPIPE_DASHBOARD_PORT=str(base + 8),
+               BERTPIPE_MLFLOW_PORT=str(base + 9), **extra)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run_script(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER_SH), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cluster_sh_env_usage_and_refusals(tmp_path):
+    base = free_port_block(10)
+    env = script_env(tmp_path / "state", base)
+    out = run_script(["env"], env)
+    assert out.returncode == 0
+    exports = dict(re.findall(r"^export (\w+)=(\S+)$", out.stdout, re.M))
+    assert exports == {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{base + 8}", "RAY_ADDRESS": f"127.0.0.1:{base}",
+                       "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "state" / "token"),
+                       "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{base + 9}"}
+    assert run_script(["restart"], env).returncode == 2
+
+    bad = run_script(["start"], {**env, "BERTPIPE_NUM_CPUS": "four"})
+    assert bad.returncode == 1 and "NUM_CPUS must be an integer" in bad.stderr
+
+    # A busy port (Ray's or MLflow's) stops the start before anything is spawned or any token is written.
+    for port in (base + 8, base + 9):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", port))
+            busy.listen()
+            out = run_script(["start"], env)
+        assert out.returncode == 1 and f"port {port} is in use" in out.stderr
+        assert not (tmp_path / "state" / "token").exists() and not (tmp_path / "state" / "ray.pid").exists()
+    assert run_script(["status"], env).returncode == 3
+
+
+def http_get(url: str, token: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def own_processes(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.mark.integration
+def test_local_cluster_starts_authenticates_and_stops_cleanly():
+    if shutil.which("curl") is None:
+        pytest.skip("cluster.sh needs curl")
+    user_token = Path.home() / ".ray" / "auth_token"
+    user_token_before = user_token.read_bytes() if user_token.exists() else None
+    # Short path on purpose: Ray's unix sockets live under the state dir (limit ~107 characters).
+    state = Path(tempfile.mkdtemp(prefix="bp-", dir="/tmp"))
+    base = free_port_block(10)
+    env = script_env(state, base, BERTPIPE_NUM_CPUS="3", BERTPIPE_START_TIMEOUT="240")
+    try:
+        t0 = time.monotonic()
+        started = run_script(["start"], env, timeout=600)
+        start_s = time.monotonic() - t0
+        assert started.returncode == 0, started.stdout + started.stderr
+        exports = dict(re.findall(r"^export (\w+)=(\S+)$", started.stdout, re.M))
+        token_file = state / "token"
+        token = token_file.read_text()
+        assert re.fullmatch(r"[0-9a-f]{64}", token) and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+
+        dashboard = exports["RAY_API_SERVER_ADDRESS"]
+        status, body = http_get(f"{dashboard}/api/version", token)
+        import ray
+
+        assert status == 200 and json.loads(body)["ray_version"] == ray.__version__
+        assert http_get(f"{dashboard}/api/version")[0] == 401             # no token
+        assert http_get(f"{dashboard}/api/version", "0" * 64)[0] == 403   # wrong token
+
+        mlflow_uri = exports["MLFLOW_TRACKING_URI"]
+        assert http_get(f"{mlflow_uri}/health")[0] == 200
+        assert http_get(f"{mlflow_uri}/api/2.0/mlflow/experiments/search?max_results=5")[0] == 200
+
+        # Loopback only: the machine's own non-loopback address must not answer on these ports.
+        host_ip = socket.gethostbyname(socket.gethostname())
+        if not host_ip.startswith("127."):
+            assert not reachable(host_ip, base + 8) and not reachable(host_ip, base + 9)
+
+        # A client needs exactly the printed lines: the Jobs API and the GCS (`ray status`) both accept them,
+        # and the same client without RAY_AUTH_MODE is refused.
+        client_env = {"PATH": env["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **exports}
+        list_jobs = [sys.executable, "-c", "from ray.job_submission import JobSubmissionClient as C; "
+                     "print('jobs', len(C().list_jobs()))"]
+        ok = subprocess.run(list_jobs, env=client_env, capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0 and "jobs 0" in ok.stdout, ok.stderr
+        no_mode = {k: v for k, v in client_env.items() if k != "RAY_AUTH_MODE"}
+        refused = subprocess.run(list_jobs, env=no_mode, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower()
+        ray_status = subprocess.run(["ray", "status"], env=client_env, capture_output=True, text=True, timeout=120)
+        assert ray_status.returncode == 0 and "/3.0 CPU" in ray_status.stdout, ray_status.stdout + ray_status.stderr
+
+        assert run_script(["status"], env).returncode == 0
+        again = run_script(["start"], env, timeout=120)  # idempotent: reports, starts nothing new
+        assert again.returncode == 0 and "already running" in again.stderr
+
+        t0 = time.monotonic()
+        stopped = run_script(["stop"], env, timeout=120)
+        stop_s = time.monotonic() - t0
+        assert stopped.returncode == 0, stopped.stderr
+        time.sleep(1)
+        assert own_processes(str(state)) == []
+        assert not any(reachable("127.0.0.1", port) for port in (base, base + 8, base + 9))
+        assert run_script(["status"], env).returncode == 3
+        print(f"\ncluster.sh start {start_s:.1f} s, stop {stop_s:.1f} s")
+    finally:
+        run_script(["stop"], env, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
+    assert (user_token.read_bytes() if user_token.exists() else None) == user_token_before
