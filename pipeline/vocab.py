@@ -4,14 +4,19 @@ Trained vocabularies reproduce the layout of Google's uncased BERT vocabulary: [
 [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103, then the learned pieces. Other stages still look special ids up by
 name (`special_ids`), so any vocab.txt that contains the five special tokens works.
 
-The corpus is streamed to the trainer one Parquet record batch at a time; the text is never held whole.
+The corpus is streamed one Parquet record batch at a time, twice (character counts, then the trainer); the text
+is never held whole. Training is reproducible: the same corpus and config give a byte-identical vocab.txt in any
+process (see "deterministic training" below for why `tokenizers` needs help with that).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
+import unicodedata
 from typing import Iterator
+
+import numpy as np
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,6 +33,8 @@ SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 GOOGLE_SPECIAL_LAYOUT = ("[PAD]", *[f"[unused{i}]" for i in range(99)], "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 VOCAB_FILE = "vocab.txt"
 TOKENIZER_FILE = "tokenizer.json"
+# Google's WordpieceTokenizer maps longer words to [UNK] (Hugging Face's BertTokenizer uses 100).
+MAX_CHARS_PER_WORD = 200
 
 
 def vocab_file(uri: str) -> str:
@@ -81,27 +88,32 @@ def special_ids(tokens: list[str]) -> dict[str, int]:
     return {t: index[t] for t in SPECIAL_TOKENS}
 
 
-def _bert_pipeline(tokenizer: Tokenizer, lowercase: bool) -> Tokenizer:
+def _bert_normalizer(lowercase: bool) -> normalizers.Normalizer:
     # strip_accents=None follows `lowercase`, like Google's BasicTokenizer (uncased strips accents, cased keeps them).
-    tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase
-    )
+    return normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase)
+
+
+def _bert_pipeline(tokenizer: Tokenizer, lowercase: bool) -> Tokenizer:
+    tokenizer.normalizer = _bert_normalizer(lowercase)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     return tokenizer
 
 
-def make_tokenizer(vocab_path: str, lowercase: bool) -> Tokenizer:
-    """A BERT WordPiece tokenizer over a (validated) vocab.txt; no post-processor, callers add [CLS]/[SEP].
+def tokenizer_from_tokens(tokens: list[str], lowercase: bool) -> Tokenizer:
+    """A BERT WordPiece tokenizer over a token list (id = index); no post-processor, callers add [CLS]/[SEP].
 
     Special tokens are not registered as added tokens: like Google's FullTokenizer, a literal "[SEP]" in the text
     is tokenized as "[", "sep", "]" and never becomes a separator.
     """
-    tokens = load_vocab(vocab_path)
-    model = models.WordPiece(
-        vocab={t: i for i, t in enumerate(tokens)}, unk_token="[UNK]", max_input_chars_per_word=100
-    )
+    model = models.WordPiece(vocab={t: i for i, t in enumerate(tokens)}, unk_token="[UNK]",
+                             max_input_chars_per_word=MAX_CHARS_PER_WORD)
     return _bert_pipeline(Tokenizer(model), lowercase)
+
+
+def make_tokenizer(vocab_path: str, lowercase: bool) -> Tokenizer:
+    """`tokenizer_from_tokens` over a (validated) vocab.txt."""
+    return tokenizer_from_tokens(load_vocab(vocab_path), lowercase)
 
 
 def clean_files(clean_uri: str) -> list[str]:
@@ -127,30 +139,126 @@ def iter_texts(files: list[str], batch_rows: int = 1024) -> Iterator[list[str]]:
             raise StageInputError(f"cannot read clean documents {uri}: {exc}") from exc
 
 
-def train_tokenizer(files: list[str], cfg: VocabConfig) -> Tokenizer:
-    """Train WordPiece on the documents in `files`; specials take Google's ids 0..103."""
-    tokenizer = _bert_pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)), cfg.lowercase)
+# ------------------------------------------------------------------------------------- deterministic training
+#
+# Why `tokenizers` alone is not reproducible (checked against its bpe/trainer.rs, which WordPieceTrainer wraps):
+# the word counts live in a Rust std HashMap, whose hasher is seeded from the OS per process (and per map), so
+# its iteration order changes every run. Two steps of the trainer depend on that order:
+#   1. `tokenize_words` walks the words in map order and gives each continuation piece "##c" the next free id
+#      when it first meets it; merges of equal count are then ordered by the ids of their two parts, so which of
+#      two tied pairs is merged first (and the ids of everything after) changes run to run;
+#   2. with `limit_alphabet`, the characters are sorted by count with an unstable sort, so characters tied at the
+#      cut-off are kept or dropped at random.
+# RAYON_NUM_THREADS=1 / TOKENIZERS_PARALLELISM=false change neither (measured: three single-threaded runs gave
+# three vocabularies), and the Python API cannot seed the hasher or take pre-counted words. What we can do is hand
+# the trainer everything whose id it would otherwise assign in map order:
+#   - we count the corpus characters ourselves, choose the alphabet (most frequent first, ties by code point) and
+#     pass it as `initial_alphabet` with `limit_alphabet=len(alphabet)`, so exactly those characters survive;
+#   - every "##c" the trainer could create is registered up front, in code-point order, through the trainer's
+#     `special_tokens` (the only way into its id table before `tokenize_words`), so no id is assigned in map order.
+# What is left in map order only decides between two heap entries of the *same* pair with the *same* count, which
+# arises when one string is reached by two different merges; we have not seen it change a vocabulary.
+
+
+def _is_punctuation(ch: str) -> bool:
+    """BertPreTokenizer's split characters: ASCII punctuation/symbols and Unicode P* (always a word of their own)."""
+    cp = ord(ch)
+    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or unicodedata.category(ch)[0] == "P"
+
+
+def _is_cjk(ch: str) -> bool:
+    """The CJK blocks that BertNormalizer pads with spaces (so they never continue a word)."""
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in _CJK_RANGES)
+
+
+_CJK_RANGES = ((0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F), (0x2B740, 0x2B81F),
+               (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F))
+
+
+def count_raw_chars(texts: list[str], counts: dict[int, int]) -> None:
+    """Add the code-point counts of `texts` to `counts` (numpy over UTF-32: ~100x a Python loop)."""
+    if not texts:
+        return
+    cps = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32)
+    ascii_counts = np.bincount(cps[cps < 128], minlength=128)
+    for cp in np.flatnonzero(ascii_counts):
+        counts[int(cp)] = counts.get(int(cp), 0) + int(ascii_counts[cp])
+    values, freq = np.unique(cps[cps >= 128], return_counts=True)
+    for cp, n in zip(values.tolist(), freq.tolist()):
+        counts[cp] = counts.get(cp, 0) + n
+
+
+def training_alphabet(raw_counts: dict[int, int], lowercase: bool, limit: int) -> list[str]:
+    """The `limit` most frequent characters of the *normalized* corpus, ties broken by code point, sorted.
+
+    BertNormalizer works character by character (control removal, CJK spacing, NFD + accent stripping, lowercase),
+    so the normalized counts follow from normalizing each distinct raw character once.
+    """
+    normalizer = _bert_normalizer(lowercase)
+    counts: dict[str, int] = {}
+    for cp, n in raw_counts.items():
+        for ch in normalizer.normalize_str(chr(cp)):
+            if not ch.isspace():
+                counts[ch] = counts.get(ch, 0) + n
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], ord(kv[0])))
+    return sorted((ch for ch, _ in ranked[:limit]), key=ord)
+
+
+def continuation_pieces(alphabet: list[str]) -> list[str]:
+    """"##c" for every alphabet character that can sit inside a word (not punctuation, not CJK), in alphabet order."""
+    return [f"##{ch}" for ch in alphabet if not _is_punctuation(ch) and not _is_cjk(ch)]
+
+
+def train_vocab(files: list[str], cfg: VocabConfig) -> list[str]:
+    """Train WordPiece on the documents in `files`: the same files and config give the same tokens, in any process.
+
+    Layout: Google's specials at 0..103, then the alphabet, then the "##c" pieces, then the learned pieces in the
+    order they were learned.
+    """
+    raw_counts: dict[int, int] = {}
+    for texts in iter_texts(files):
+        count_raw_chars(texts, raw_counts)
+    alphabet = training_alphabet(raw_counts, cfg.lowercase, cfg.limit_alphabet)
+    pieces = continuation_pieces(alphabet)
+    tokenizer = _bert_pipeline(Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=MAX_CHARS_PER_WORD)),
+                               cfg.lowercase)
     trainer = trainers.WordPieceTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,
-        limit_alphabet=cfg.limit_alphabet,
-        special_tokens=list(GOOGLE_SPECIAL_LAYOUT),
+        limit_alphabet=len(alphabet),
+        initial_alphabet=alphabet,
+        special_tokens=[*GOOGLE_SPECIAL_LAYOUT, *pieces],
         continuing_subword_prefix="##",
         show_progress=False,
     )
     tokenizer.train_from_iterator(iter_texts(files), trainer=trainer)
-    return tokenizer
-
-
-def vocab_from_tokenizer(tokenizer: Tokenizer) -> list[str]:
     by_id = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
     tokens = [t for t, _ in by_id]
     assert [i for _, i in by_id] == list(range(len(tokens))), "trained ids are not contiguous"
-    return tokens
+    assert tokens[:len(GOOGLE_SPECIAL_LAYOUT)] == list(GOOGLE_SPECIAL_LAYOUT), "specials moved"
+    registered = set(pieces)
+    stray = [t for t in tokens if len(t) == 3 and t.startswith("##") and t not in registered]
+    if stray:
+        # A "##c" we did not register got its id in hash-map order: this vocabulary may not be reproducible.
+        log.warning("vocab: %d continuation pieces were not pre-registered (e.g. %s); the vocabulary may differ "
+                    "between runs", len(stray), stray[:5])
+    # The specials stay first; single characters before their "##" forms (Google's order), merges as learned.
+    head, rest = tokens[:len(GOOGLE_SPECIAL_LAYOUT)], tokens[len(GOOGLE_SPECIAL_LAYOUT):]
+    chars = [t for t in rest if len(t) == 1]
+    return head + chars + [t for t in rest if len(t) != 1]
 
 
-def _train_remote(files: list[str], cfg: VocabConfig) -> str:
-    return train_tokenizer(files, cfg).to_str()
+def _train_remote(files: list[str], cfg: VocabConfig) -> list[str]:
+    return train_vocab(files, cfg)
+
+
+def describe_raw_inputs(cfg: VocabConfig) -> list[dict]:
+    """An existing vocab.txt enters the fingerprint by size and checksum (a replaced file makes the stage stale)."""
+    if not cfg.path:
+        return []
+    data = _read_bytes(vocab_file(cfg.path))
+    return [{"uri": cfg.path, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()}]
 
 
 def run_stage(ctx: StageContext) -> StageResult:
@@ -161,7 +269,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         tokens = load_vocab(cfg.path)
         data = _read_bytes(vocab_file(cfg.path))
         source = "existing"
-        raw_inputs = [{"uri": cfg.path, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()}]
+        raw_inputs = describe_raw_inputs(cfg)
         log.info("vocab: using existing %s (%d tokens)", cfg.path, len(tokens))
     else:
         if cfg.vocab_size <= len(GOOGLE_SPECIAL_LAYOUT):
@@ -172,14 +280,15 @@ def run_stage(ctx: StageContext) -> StageResult:
 
         if ray.is_initialized():
             # Train on a worker, not the driver: the driver may be a small head node.
-            tokenizer = Tokenizer.from_str(ray.get(ray.remote(_train_remote).remote(files, cfg)))
+            tokens = ray.get(ray.remote(_train_remote).remote(files, cfg))
         else:
-            tokenizer = train_tokenizer(files, cfg)
-        tokens = vocab_from_tokenizer(tokenizer)
+            tokens = train_vocab(files, cfg)
         data = ("\n".join(tokens) + "\n").encode("utf-8")
         source = "trained"
         raw_inputs = []
-        storage.write_text_atomic(storage.join(ctx.output_uri, TOKENIZER_FILE), tokenizer.to_str())
+        # Rebuilt from the final vocabulary: the trained tokenizer carries the "##c" pieces as added tokens.
+        storage.write_text_atomic(storage.join(ctx.output_uri, TOKENIZER_FILE),
+                                  tokenizer_from_tokens(tokens, cfg.lowercase).to_str())
     storage.write_text_atomic(out_vocab, data.decode("utf-8"))
     # Validate what we wrote exactly as downstream stages will read it.
     load_vocab(out_vocab)

@@ -9,7 +9,9 @@ import json
 import os
 import re
 import socket
+import shutil
 import subprocess
+import tempfile
 import sys
 import time
 import urllib.error
@@ -52,8 +54,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    state = tmp_path_factory.mktemp("cluster")
+def cluster():
+    # A short path: Ray's Unix socket paths under the state dir must stay below 108 bytes.
+    state = Path(tempfile.mkdtemp(prefix="bpe2e-", dir="/tmp"))
     token_file = state / "auth_token"
     env = dict(os.environ)
     env.update({
@@ -84,6 +87,7 @@ def cluster(tmp_path_factory):
         time.sleep(1)
         left = subprocess.run(["pgrep", "-f", str(state)], capture_output=True, text=True).stdout.split()
         assert not left, f"processes left running after stop: {left}"
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def _bertpipe(cluster, *args, timeout=1500) -> subprocess.CompletedProcess:
