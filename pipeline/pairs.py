@@ -5,8 +5,9 @@ Pure core (testable without Ray): `encode_documents` (split + batched Rust token
 random_shuffle(seed) so each pairing partition is a random sample of the corpus -> pair per max_seq_length ->
 split into `num_shards` equal slices (remainder dropped and counted) -> one writer task per shard.
 
-Why tokenization is batched: one `encode_batch` over a few thousand sentences replaces thousands of Python ->
-Rust round trips, and ASCII sentences skip the Unicode normalizer (see `encode_documents`).
+Why tokenization is not one `encode` per sentence: per batch of documents, printable-ASCII sentences skip the
+Unicode normalizer and are pre-tokenized by one regex, and each distinct word goes through Rust WordPiece once
+(see `encode_documents`); same ids, ~2x faster than `encode_batch` over the sentences.
 """
 from __future__ import annotations
 
@@ -50,6 +51,30 @@ def cached_tokenizers(vocab_uri: str, lowercase: bool):
 # BertPreTokenizer on printable ASCII: runs of letters/digits are words, every other non-space character is a word
 # of its own (ASCII symbols count as punctuation). "\n" (never inside a plain sentence) marks sentence ends.
 _PLAIN_WORD = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \n]|\n")
+# Any other sentence, once its ASCII control characters are deleted (the normalizer deletes them too): pieces that
+# the BERT normalizer and pre-tokenizer treat independently, because both work character by character and split at
+# ASCII whitespace and punctuation. A run with non-ASCII characters still needs both (accents, CJK, Unicode
+# punctuation and spaces inside it); a run of ASCII letters/digits is one word; ASCII punctuation is one word.
+_RUN = re.compile(r"(?:[A-Za-z0-9]|[^\x00-\x7f])+|[!-/:-@\[-`{-~]")
+_DELETE_ASCII_CONTROLS = dict.fromkeys([*range(0, 9), 11, 12, *range(14, 32), 127])
+
+
+def _normalize_runs(runs: list[str], full) -> dict[str, list[str]]:
+    """Distinct non-ASCII runs -> their words after the BERT normalizer and pre-tokenizer, in one call of each.
+
+    The runs are joined with " | ": "|" is a word of its own and no run contains it or normalizes to it (checked by
+    the count; on a mismatch each run is processed on its own).
+    """
+    normalize, pre_tokenize = full.normalizer.normalize_str, full.pre_tokenizer.pre_tokenize_str
+    out: list[list[str]] = [[]]
+    for w, _ in pre_tokenize(normalize(" | ".join(runs))):
+        if w == "|":
+            out.append([])
+        else:
+            out[-1].append(w)
+    if len(out) != len(runs):
+        out = [[w for w, _ in pre_tokenize(normalize(r))] for r in runs]
+    return dict(zip(runs, out))
 
 
 def _gather_ranges(pool: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -59,16 +84,14 @@ def _gather_ranges(pool: np.ndarray, starts: np.ndarray, lengths: np.ndarray) ->
     return pool[index]
 
 
-def _encode_plain(sentences: list[str], fast) -> tuple[np.ndarray, np.ndarray]:
-    """(flat ids, ids per sentence) of lower-cased printable-ASCII sentences, each distinct word tokenized once.
+def _encode_words(words: list[str], fast) -> tuple[np.ndarray, np.ndarray]:
+    """(flat ids, ids per sentence) of a stream of normalized words where "\n" ends each sentence.
 
     WordPiece works word by word, so a sentence's ids are its words' ids in order. Wikipedia text is Zipfian: a
-    batch of documents has ~10x fewer distinct words than words, so one regex pass plus a Rust call on the distinct
-    words replaces the per-sentence Rust pipeline (normalize, pre-tokenize, Encoding objects) for ~90% of words.
+    batch of documents has ~15x fewer distinct words than words, so each distinct word is tokenized once, all of
+    them in one pre-tokenized `encode` call, and the sentences are gathered from those pieces with numpy.
     """
-    words = _PLAIN_WORD.findall("\n".join(sentences) + "\n")
     index = {w: i for i, w in enumerate(dict.fromkeys(words))}
-    # The distinct words as one pre-tokenized sequence: one Encoding instead of one per word.
     enc = fast.encode(list(index), is_pretokenized=True, add_special_tokens=False)
     pool = np.array(enc.ids, np.int32)
     piece_len = np.bincount(np.array(enc.word_ids, np.int64), minlength=len(index))  # "\n" -> 0 ids
@@ -83,29 +106,48 @@ def encode_documents(texts: list[str], tokenizers_pair, lowercase: bool) -> tupl
     """Split and tokenize documents: (flat int32 token ids, per document the sentence boundaries into it).
 
     Sentence k of document d is flat[bounds[d][k]:bounds[d][k + 1]]; sentences that tokenize to nothing are
-    dropped, a document without tokens gets bounds [start] (no sentences).
-    The BERT normalizer (control-char cleanup, CJK spacing, NFD accent stripping, lowercasing) is the identity plus
-    `str.lower` on printable ASCII, so those sentences (93% of English Wikipedia's) take `_encode_plain` after a
-    C-level `lower()`; the others go through the full tokenizer. Identical ids either way (tested).
+    dropped, a document without tokens gets bounds [start] (no sentences). Same ids as `full.encode` per sentence
+    (tested), ~2x faster than one `encode_batch` over the sentences:
+    - the BERT normalizer (control-char cleanup, CJK spacing, NFD accent stripping, lowercasing) is the identity
+      plus `str.lower` on printable ASCII, and BertPreTokenizer there is one regex (`_PLAIN_WORD`): those
+      sentences (93% of English Wikipedia's) never enter the Rust pipeline whole;
+    - in the other sentences only the distinct runs with non-ASCII characters go through the normalizer and the
+      pre-tokenizer (`_RUN`, `_normalize_runs`), all in one call;
+    - then `_encode_words`: each distinct word tokenized once.
     """
     full, fast = tokenizers_pair
     sentences = [split_sentences(t or "") for t in texts]
-    flat_sents = list(itertools.chain.from_iterable(sentences))
-    is_plain = np.fromiter((s.isascii() and s.isprintable() for s in flat_sents), bool, len(flat_sents))
-    plain = [(s.lower() if lowercase else s) for s, p in zip(flat_sents, is_plain) if p]
-    other = [s for s, p in zip(flat_sents, is_plain) if not p]
-    plain_flat, plain_len = _encode_plain(plain, fast) if plain else (np.zeros(0, np.int32), np.zeros(0, np.int64))
-    other_ids = [e.ids for e in full.encode_batch_fast(other, add_special_tokens=False)] if other else []
-    other_len = np.fromiter(map(len, other_ids), np.int64, len(other_ids))
-    other_flat = np.fromiter(itertools.chain.from_iterable(other_ids), np.int32, int(other_len.sum()))
-    # Interleave the two back into sentence order: one gather over [plain ids | other ids].
-    lengths = np.zeros(len(flat_sents), np.int64)
-    starts = np.zeros(len(flat_sents), np.int64)
-    lengths[is_plain], lengths[~is_plain] = plain_len, other_len
-    starts[is_plain] = np.cumsum(plain_len) - plain_len
-    starts[~is_plain] = plain_flat.size + np.cumsum(other_len) - other_len
-    flat = _gather_ranges(np.concatenate([plain_flat, other_flat]), starts, lengths).astype(np.int32, copy=False)
-    ends = np.cumsum(lengths).tolist()
+    # Pass 1: printable-ASCII sentences as they are, the others as runs (their non-ASCII runs collected).
+    items: list[str | list[str]] = []
+    non_ascii: dict[str, None] = {}
+    for s in itertools.chain.from_iterable(sentences):
+        if s.isascii() and s.isprintable():
+            items.append(s)
+        else:
+            pieces = _RUN.findall(s.translate(_DELETE_ASCII_CONTROLS))
+            non_ascii.update((p, None) for p in pieces if not p.isascii())
+            items.append(pieces)
+    normalized = _normalize_runs(list(non_ascii), full) if non_ascii else {}
+    # Pass 2: the word stream, "\n" after each sentence; consecutive ASCII sentences share one regex call.
+    words: list[str] = []
+    run: list[str] = []
+    for item in itertools.chain(items, [None]):  # None: the end, flushes the last run
+        if isinstance(item, str):
+            run.append(item)
+            continue
+        if run:
+            text = "\n".join(run) + "\n"
+            words.extend(_PLAIN_WORD.findall(text.lower() if lowercase else text))
+            run.clear()
+        if item is not None:
+            for piece in item:
+                if piece.isascii():
+                    words.append(piece.lower() if lowercase else piece)
+                else:
+                    words.extend(normalized[piece])
+            words.append("\n")
+    flat, lengths = _encode_words(words, fast) if words else (np.zeros(0, np.int32), np.zeros(0, np.int64))
+    ends, lengths = np.cumsum(lengths).tolist(), lengths.tolist()
     bounds, k = [], 0
     for doc_sents in sentences:
         b = [ends[k - 1] if k else 0]
