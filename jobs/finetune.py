@@ -11,6 +11,7 @@ best dev score, the GLUE score and the summary table as artifacts. The stage fai
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import io
 import logging
@@ -95,6 +96,13 @@ def trial_seed(workflow_seed: int, task: str, seed: int) -> int:
     """The trial's RNG seed from the workflow seed, the task and the sweep's seed value."""
     digest = hashlib.sha256(f"{workflow_seed}/finetune/{task}/{seed}".encode()).hexdigest()
     return int(digest[:8], 16)
+
+
+def trial_params(cfg: FinetuneConfig, *, learning_rate: float, seed: int) -> TrialParams:
+    """One trial's hyperparameters: the sweep config's shared fields plus this trial's lr and seed."""
+    shared = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TrialParams) if hasattr(cfg, f.name)}
+    return TrialParams(**shared, learning_rate=learning_rate, seed=seed, num_threads=cfg.cpus_per_trial,
+                       device="cuda" if cfg.gpus_per_trial > 0 else "cpu")
 
 
 def _mlflow_client(tracking: dict[str, str]):
@@ -280,13 +288,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         data_ref = ray.put(data)
         for seed in cfg.seeds:
             for lr in cfg.learning_rates:
-                params = TrialParams(
-                    learning_rate=lr, seed=trial_seed(ctx.seed, name, seed), batch_size=cfg.batch_size,
-                    eval_batch_size=cfg.eval_batch_size, num_epochs=cfg.num_epochs,
-                    warmup_proportion=cfg.warmup_proportion, weight_decay=cfg.weight_decay,
-                    adam_epsilon=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm,
-                    max_seq_length=cfg.max_seq_length, max_train_examples=cfg.max_train_examples,
-                    num_threads=cfg.cpus_per_trial, device="cuda" if cfg.gpus_per_trial > 0 else "cpu")
+                params = trial_params(cfg, learning_rate=lr, seed=trial_seed(ctx.seed, name, seed))
                 run_id = ""
                 if client:
                     run_id = client.create_run(experiment, run_name=f"{name}-lr{lr:g}-seed{seed}", tags={
