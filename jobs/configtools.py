@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import yaml
 
 T = TypeVar("T")
+YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
 
 
 class ConfigError(ValueError):
@@ -74,7 +75,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        hint = " (YAML reads bare on/off/yes/no as booleans: quote it)" if isinstance(value, bool) else ""
+        raise ConfigError(f"{where}: expected a string, got {value!r}{hint}")
     return value
 
 
@@ -117,6 +119,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     if not key.strip():
         raise ConfigError(f"override {text!r} has an empty key")
+    if raw.strip().lower() in YAML11_BOOL_WORDS:
+        # YAML 1.1 reads on/off/yes/no as booleans; `mlflow.tracking_uri=off` means the string.
+        return key.strip().split("."), raw.strip()
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:

@@ -60,3 +60,10 @@ def test_float_from_yaml_scientific_string():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="nope"):
         load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_off_is_a_string_on_the_command_line():
+    cfg = load_config("tiny", ["mlflow.tracking_uri=off"])
+    assert cfg.mlflow.tracking_uri == "off"
+    with pytest.raises(ConfigError, match=r"ray\.dashboard.*true/false"):
+        load_config("tiny", ["ray.dashboard=yes"])
