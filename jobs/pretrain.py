@@ -202,7 +202,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         train_loop_config={"pretrain": cfg, "model": model_cfg, "seed": ctx.seed, "vocab_tokens": tokens,
                            "vocab_bytes": vocab_bytes, "tracking": dict(ctx.tracking),
                            "export_uri": storage.join(ctx.output_uri, "export"), "fail_marker": marker,
-                           "resume_checkpoint": resume},
+                           "storage_path": storage_path, "run_name": name},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                                resources_per_worker={"CPU": cfg.cpus_per_worker}),
         run_config=ray.train.RunConfig(

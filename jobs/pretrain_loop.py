@@ -138,10 +138,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         lr_scheduler=lambda opt: make_scheduler(cfg, opt))
 
     position = {"step": 0, "phase": 0, "epoch": 0, "batch": 0}
-    # Ray Train's own (a retry, or a rerun it has a snapshot for) first; else the driver's scan of the run folder.
+    # Ray Train's own (a retry, or a rerun it has a snapshot for) first. Else scan the run folder: a rerun after a
+    # crash, or a retry that starts before the controller registered the last reported checkpoint (seen when a
+    # worker dies right after reporting) still finds it there. Rank 0 decides so that every rank loads the same.
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and config.get("resume_checkpoint"):
-        checkpoint = ray.train.Checkpoint(config["resume_checkpoint"])
+    if checkpoint is None:
+        from jobs.pretrain import latest_checkpoint
+
+        found = [latest_checkpoint(config["storage_path"], config["run_name"], cfg) if rank == 0 else None]
+        dist.broadcast_object_list(found, src=0)
+        if found[0]:
+            checkpoint = ray.train.Checkpoint(found[0])
     if checkpoint:
         with checkpoint.as_directory() as d:
             engine.load_checkpoint(d, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
