@@ -27,19 +27,14 @@ def worker(impl: str, size: str, batch: int, seq: int, max_pred: int, steps: int
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from gpu_model_bench import make_batch  # the same synthetic batch as the GPU benchmark
     from model import BertConfig, BertForPreTraining
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     config = BertConfig.preset(size)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, config.vocab_size, (batch, seq), generator=g)
-    token_type_ids = torch.zeros_like(ids)
-    token_type_ids[:, seq // 2:] = 1
-    attention_mask = torch.ones_like(ids)
-    positions = torch.stack([torch.randperm(seq - 1, generator=g)[:max_pred] + 1 for _ in range(batch)])
-    labels = torch.randint(1000, config.vocab_size, (batch, max_pred), generator=g)
-    nsp = torch.randint(0, 2, (batch,), generator=g)
+    ids, token_type_ids, attention_mask, positions, labels, nsp, full_labels = make_batch(
+        config, batch, seq, max_pred, "cpu")
 
     if impl == "ours":
         model = BertForPreTraining(config)
@@ -49,7 +44,6 @@ def worker(impl: str, size: str, batch: int, seq: int, max_pred: int, steps: int
     else:
         import transformers
         model = transformers.BertForPreTraining(transformers.BertConfig(**config.to_hf_dict()))
-        full_labels = torch.full_like(ids, -100).scatter(1, positions, labels)
 
         def loss_fn():
             return model(input_ids=ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
