@@ -90,6 +90,13 @@ class WorkflowTracker:
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i:i + 1000])
 
+    def log_final_metrics(self, run_id: str, metrics: dict[str, float]) -> None:
+        """A stage's final figures, except those the stage already logged into its run itself (no duplicates)."""
+        if not self.enabled or not run_id:
+            return
+        logged = self.client.get_run(run_id).data.metrics
+        self.log_metrics(run_id, {k: v for k, v in metrics.items() if k not in logged})
+
     def log_dict_artifact(self, run_id: str, data: Any, name: str) -> None:
         if not self.enabled or not run_id:
             return

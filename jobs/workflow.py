@@ -203,8 +203,8 @@ def _run_stage(cfg: RootConfig, stage: Stage, fp: str, raw: list[dict[str, Any]]
     except BaseException:
         tracker.end(run_id, False)
         raise
-    tracker.log_metrics(run_id, {"num_rows": manifest["num_rows"], "num_bytes": manifest["num_bytes"],
-                                 "seconds": manifest["seconds"], **result.metrics})
+    tracker.log_final_metrics(run_id, {**result.metrics, "num_rows": manifest["num_rows"],
+                                       "num_bytes": manifest["num_bytes"], "seconds": manifest["seconds"]})
     tracker.log_dict_artifact(run_id, manifest, "_MANIFEST.json")
     tracker.end(run_id, True)
     log.info("stage %-8s done: %s rows in %.1f s", stage.name, manifest["num_rows"], manifest["seconds"])

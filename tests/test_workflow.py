@@ -91,6 +91,10 @@ def test_mlflow_has_parent_and_nested_stage_runs(data_workdir):
     assert children["clean"].data.metrics["num_rows"] > 0
     assert children["pairs"].data.params["pairs.dupe_factor"] == "2"
     assert all(r.info.status == "FINISHED" for r in children.values())
+    # A figure the stage logged itself is not logged a second time by the workflow.
+    clean_id = children["clean"].info.run_id
+    assert len(client.get_metric_history(clean_id, "articles")) == 1
+    assert len(client.get_metric_history(clean_id, "num_rows")) == 1
     second = sorted(parents, key=lambda r: r.info.start_time)[1]
     skipped = by_parent[second.info.run_id]
     assert {r.data.tags.get("bertpipe.skipped") for r in skipped} == {"fresh"}
