@@ -7,7 +7,10 @@ Both sides get the same seeded train subsample, batch 32, lr, 1 epoch, 10% warmu
 weight decay 0.01 (not on biases/LayerNorm), Adam eps 1e-6, clip 1.0, max_seq_length 128, batches padded to a
 multiple of 8, the same torch threads. Wall time = model load + tokenize + train + dev evaluation.
 
-    python benchmarks/bench_glue.py [--train 2000] [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2]
+    python benchmarks/bench_glue.py [--train 2000] [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2] [--seeds 1,2,3]
+
+With several seeds each side runs once per seed (same subsample, other head init / dropout / data order) and the
+table gives mean ± sample standard deviation: one seed cannot tell a real gap from fine-tuning noise.
 """
 from __future__ import annotations
 
@@ -116,13 +119,19 @@ def fanout(model: Path, data: TaskData, p: TrialParams, concurrency: int) -> flo
     return time.perf_counter() - t0
 
 
+def mean_sd(scores: list[float]) -> str:
+    """Percent; with several seeds "mean ± sample sd (n)"."""
+    x = 100 * np.asarray(scores)
+    return f"{x[0]:.2f}" if len(x) == 1 else f"{x.mean():.2f} ± {x.std(ddof=1):.2f} (n={len(x)})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="MRPC,STS-B,CoLA,SST-2")
     ap.add_argument("--train", type=int, default=2000, help="train examples per task (seeded subsample)")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--lr", type=float, default=5e-5)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", default="1", help="comma-separated trial seeds; >1 gives mean ± sd per side")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fanout-train", type=int, default=300, help="train examples per fan-out trial (MRPC)")
     ap.add_argument("--skip-fanout", action="store_true")
@@ -130,21 +139,26 @@ def main() -> None:
     if not GLUE.is_dir():
         sys.exit(f"real GLUE data not found at {GLUE}")
     model = minilm_dir()
-    p = TrialParams(learning_rate=args.lr, seed=args.seed, num_epochs=args.epochs, num_threads=args.threads)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    p = TrialParams(learning_rate=args.lr, seed=seeds[0], num_epochs=args.epochs, num_threads=args.threads)
     print(f"model {model}\n{args.train} train examples, {args.epochs} epoch, lr {args.lr}, batch 32, seq 128, "
-          f"seed {args.seed}, {args.threads} torch threads, torch {torch.__version__}")
+          f"seeds {seeds}, {args.threads} torch threads, torch {torch.__version__}")
     print("| task | dev rows | ours score | HF Trainer score | ours wall s | HF wall s | ours CPU s | HF CPU s |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.tasks.split(","):
-        data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, args.seed)
-        c0 = cpu_seconds()
-        ours, t_ours = run_ours(model, data, p)
-        c1 = cpu_seconds()
-        hf, t_hf = run_hf(model, data, p)
-        c2 = cpu_seconds()
+        data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, seeds[0])
+        sides = {"ours": ([], [], []), "hf": ([], [], [])}  # scores, wall s, CPU s
+        for seed in seeds:  # alternate the sides so a busy spell on the machine hits both
+            ps = TrialParams(**{**p.__dict__, "seed": seed})
+            for side, fn in (("ours", run_ours), ("hf", run_hf)):
+                c0 = cpu_seconds()
+                score, wall = fn(model, data, ps)
+                for acc, v in zip(sides[side], (score, wall, cpu_seconds() - c0)):
+                    acc.append(v)
         dev = sum(len(d) for d in data.dev.values())
-        print(f"| {name} | {dev} | {100 * ours:.2f} | {100 * hf:.2f} | {t_ours:.1f} | {t_hf:.1f} | "
-              f"{c1 - c0:.1f} | {c2 - c1:.1f} |", flush=True)
+        (so, wo, co), (sh, wh, ch) = sides["ours"], sides["hf"]
+        print(f"| {name} | {dev} | {mean_sd(so)} | {mean_sd(sh)} | {np.mean(wo):.1f} | {np.mean(wh):.1f} | "
+              f"{np.mean(co):.1f} | {np.mean(ch):.1f} |", flush=True)
     if args.skip_fanout:
         return
     import ray
@@ -152,7 +166,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
-        data = subsample(read_task(str(GLUE), TASKS["MRPC"], with_test=False), args.fanout_train, args.seed)
+        data = subsample(read_task(str(GLUE), TASKS["MRPC"], with_test=False), args.fanout_train, seeds[0])
         fanout(model, data, p, 1)  # warm-up: start the workers, import torch there
         for c in (1, 2):
             print(f"fan-out: 4 MRPC trials ({args.fanout_train} train rows each, 1 CPU / 1 thread per trial), "

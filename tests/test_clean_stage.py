@@ -148,7 +148,10 @@ def test_describe_raw_inputs_caches_checksums(enwiki_sample, sample_dumps, tmp_p
     cfg = CleanConfig(input=(str(tmp_path / "*.bz2"), str(sample_dumps["enwiki-table-markup.xml.bz2"])))
     first = describe_raw_inputs(cfg)
     assert [d["uri"] for d in first] == sorted([str(local), str(sample_dumps["enwiki-table-markup.xml.bz2"])])
-    assert first[0]["size"] == local.stat().st_size
+    # Sorted by URI, so where the copy falls depends on where the checkout lives: look it up by name.
+    by_uri = {d["uri"]: d for d in first}
+    assert by_uri[str(local)]["size"] == local.stat().st_size
+    assert by_uri[str(sample_dumps["enwiki-table-markup.xml.bz2"])]["size"] == 64107
     cache = tmp_path / "cache" / "sha256.json"
     assert cache.is_file()
     # A cached entry is trusted while (size, mtime) match: prove it by planting a fake digest.
@@ -156,8 +159,11 @@ def test_describe_raw_inputs_caches_checksums(enwiki_sample, sample_dumps, tmp_p
     entries = json.loads(cache.read_text())
     entries[str(local)]["sha256"] = "planted"
     cache.write_text(json.dumps(entries))
-    assert describe_raw_inputs(cfg)[0]["checksum"] == "sha256:planted"
+    def checksum_of_copy():
+        return {d["uri"]: d for d in describe_raw_inputs(cfg)}[str(local)]["checksum"]
+
+    assert checksum_of_copy() == "sha256:planted"
     os.utime(local, ns=(1, 1))  # a re-downloaded dump changes mtime: the digest is recomputed
-    assert describe_raw_inputs(cfg)[0]["checksum"] == first[0]["checksum"]
+    assert checksum_of_copy() == by_uri[str(local)]["checksum"] != "sha256:planted"
     with pytest.raises(StageInputError, match=r"\*\.nothing"):
         describe_raw_inputs(CleanConfig(input=(str(tmp_path / "*.nothing"),)))
