@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--length-bin-window", type=int, default=None, help="1 = off (default: the config default)")
     args = ap.parse_args()
 
     import ray
@@ -44,7 +45,8 @@ def main() -> None:
         exp = client.create_experiment("bench", artifact_location=str(root / "artifacts"))
         for stage in (int(s) for s in args.stages.split(",")):
             run = client.create_run(exp)
-            cfg = tiny_config(max_steps=args.steps, zero_stage=stage, log_every_steps=10,
+            binning = {} if args.length_bin_window is None else {"length_bin_window": args.length_bin_window}
+            cfg = tiny_config(max_steps=args.steps, zero_stage=stage, log_every_steps=10, **binning,
                               checkpoint_every_steps=10**6, eval_max_batches=1,
                               phases=(PhaseConfig(max_seq_length=args.seq, max_predictions_per_seq=max(1, args.seq * 20 // 128),
                                                   global_batch_size=per_step, micro_batch_size=args.micro,
@@ -53,13 +55,14 @@ def main() -> None:
                           tracking={"tracking_uri": client.tracking_uri, "run_id": run.info.run_id})
             run_stage(ctx)
             hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)][1:]
-                    for k in ("sequences_per_second", "tokens_per_second", "data_wait_fraction")}
+                    for k in ("sequences_per_second", "tokens_per_second", "data_wait_fraction", "padding_fraction")}
             rows.append((stage, *(sum(v) / max(len(v), 1) for v in hist.values())))
     ray.shutdown()
-    print(f"\npreset {args.preset}, seq {args.seq}, 2 workers × 1 CPU, micro-batch {args.micro}, {args.steps} steps")
-    print(f"{'ZeRO':>4} | {'sequences/s':>11} | {'tokens/s':>9} | {'data wait':>9}")
-    for stage, sps, tps, wait in rows:
-        print(f"{stage:>4} | {sps:>11.1f} | {tps:>9.0f} | {100 * wait:>8.1f}%")
+    print(f"\npreset {args.preset}, seq {args.seq}, 2 workers × 1 CPU, micro-batch {args.micro}, {args.steps} steps, "
+          f"length-bin window {cfg.length_bin_window}")
+    print(f"{'ZeRO':>4} | {'sequences/s':>11} | {'tokens/s':>9} | {'data wait':>9} | {'padding':>7}")
+    for stage, sps, tps, wait, pad in rows:
+        print(f"{stage:>4} | {sps:>11.1f} | {tps:>9.0f} | {100 * wait:>8.1f}% | {100 * pad:>6.1f}%")
 
 
 if __name__ == "__main__":

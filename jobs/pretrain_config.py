@@ -82,6 +82,9 @@ class PretrainConfig:
     whole_word_masking: bool = False
     # Rows each worker mixes locally per epoch (the shards were already shuffled by the pairs stage).
     shuffle_buffer_rows: int = 2000
+    # Micro-batches whose rows are sorted together by length before batching, so short rows share a batch and
+    # pad less (jobs/length_binning.py); 1 = off. Batch sizes and rows per epoch do not change.
+    length_bin_window: int = 8
     prefetch_batches: int = 4
     # --- logging, evaluation, checkpoints
     log_every_steps: int = 10
@@ -138,7 +141,7 @@ def validate(cfg: PretrainConfig) -> None:
     if cfg.use_gpu and cfg.precision == "fp16" and cfg.optimizer_impl == "torch" and cfg.zero_stage == 0:
         bad("fp16 with zero_stage 0 needs optimizer_impl 'deepspeed' (DeepSpeed's fp16 wrapper)")
     for name in ("log_every_steps", "checkpoint_every_steps", "num_checkpoints_to_keep", "eval_max_batches",
-                 "prefetch_batches"):
+                 "prefetch_batches", "length_bin_window"):
         if getattr(cfg, name) < 1:
             bad(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.eval_every_steps < 0 or cfg.max_failures < 0 or cfg.fail_at_step < 0 or cfg.shuffle_buffer_rows < 0:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from jobs.deepspeed_config import deepspeed_config
+from jobs.length_binning import length_binned
 from jobs.masking import MaskingSpec, batch_rng, collate
 from jobs.pretrain_config import ModelConfig, PretrainConfig
 from jobs.pretrain_optim import make_optimizer, make_scheduler, param_groups
@@ -176,14 +177,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                       masked_lm_prob=cfg.masked_lm_prob, whole_word=cfg.whole_word_masking)
         train_shard = ray.train.get_dataset_shard(f"train_{L}")
         eval_shard = ray.train.get_dataset_shard(f"heldout_{L}")
-        window = dict(t0=time.perf_counter(), wait=0.0, seqs=0.0, tokens=0.0, sums=[0.0] * 8)
+        window = dict(t0=time.perf_counter(), wait=0.0, seqs=0.0, tokens=0.0, slots=0.0, sums=[0.0] * 8)
         while step < phase_end:
             epoch, skip = position["epoch"], position["batch"]
             batches = train_shard.iter_batches(
                 batch_size=phase.micro_batch_size, batch_format="numpy", drop_last=True,
                 prefetch_batches=cfg.prefetch_batches, local_shuffle_buffer_size=cfg.shuffle_buffer_rows or None,
                 local_shuffle_seed=_seed_of(seed, phase_index, epoch, rank))
-            it = iter(batches)
+            it = length_binned(batches, cfg.length_bin_window,
+                               np.random.default_rng(_seed_of(seed, phase_index, epoch, rank, 2)))
             batch_index, seen = 0, 0
             while step < phase_end:
                 t_wait = time.perf_counter()
@@ -209,6 +211,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     s[i] += v
                 window["seqs"] += n_seq
                 window["tokens"] += float(batch["attention_mask"].sum())
+                window["slots"] += float(batch["attention_mask"].numel())  # real + padding
                 if engine.global_steps == step:
                     continue  # inside a gradient accumulation
                 step = engine.global_steps
@@ -247,7 +250,7 @@ def _maybe_log(engine, scheduler, cfg, window, step, phase_end, L, device, track
     if step % cfg.log_every_steps and step != phase_end:
         return {}
     loss, mlm, nsp, correct, count, nsp_correct, n_seq, n_micro = _all_sum(window["sums"], device)
-    seqs, toks, wait = _all_sum([window["seqs"], window["tokens"], window["wait"]], device)
+    seqs, toks, slots, wait = _all_sum([window["seqs"], window["tokens"], window["slots"], window["wait"]], device)
     elapsed = max(time.perf_counter() - window["t0"], 1e-9)
     world = dist.get_world_size()
     grad_norm = engine.get_global_grad_norm()
@@ -256,14 +259,15 @@ def _maybe_log(engine, scheduler, cfg, window, step, phase_end, L, device, track
         "mlm_accuracy": correct / max(count, 1), "nsp_accuracy": nsp_correct / max(n_seq, 1),
         "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "sequences_per_second": seqs / elapsed, "tokens_per_second": toks / elapsed,
-        "data_wait_fraction": wait / world / elapsed, "seq_length": L,
+        "data_wait_fraction": wait / world / elapsed, "padding_fraction": 1.0 - toks / max(slots, 1.0),
+        "seq_length": L,
     }
     tracker.metrics(metrics, step)
     if dist.get_rank() == 0:
         log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%", step, L,
                  metrics["loss"], metrics["mlm_accuracy"], metrics["nsp_accuracy"], metrics["lr"],
                  metrics["sequences_per_second"], 100 * metrics["data_wait_fraction"])
-    window.update(t0=time.perf_counter(), wait=0.0, seqs=0.0, tokens=0.0, sums=[0.0] * 8)
+    window.update(t0=time.perf_counter(), wait=0.0, seqs=0.0, tokens=0.0, slots=0.0, sums=[0.0] * 8)
     return metrics
 
 

@@ -46,6 +46,7 @@ def test_gpu_precision_and_offload():
     (dict(phases=(PhaseConfig(max_seq_length=512), PhaseConfig(max_seq_length=128))), "must grow"),
     (dict(phases=(PhaseConfig(max_seq_length=1024),)), r"\[8, 512\]"),
     (dict(phases=(PhaseConfig(max_predictions_per_seq=0),)), "max_predictions_per_seq"),
+    (dict(length_bin_window=0), "length_bin_window"),
 ])
 def test_impossible_configs(overrides, message):
     with pytest.raises(ValueError, match=message):

