@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import shutil
 import subprocess
 import tempfile
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from ports import free_port_block
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,44 +28,19 @@ SCRIPT = REPO / "infra" / "local" / "cluster.sh"
 BIN = Path(sys.executable).parent
 
 
-def _free_port_block(size: int = 8) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + size > 60000:
-            continue
-        ok = True
-        for p in range(base, base + size):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
     # A short path: Ray's Unix socket paths under the state dir must stay below 108 bytes.
     state = Path(tempfile.mkdtemp(prefix="bpe2e-", dir="/tmp"))
     token_file = state / "auth_token"
+    base = free_port_block(10)
     env = dict(os.environ)
     env.update({
         "BERTPIPE_LOCAL_DIR": str(state / "local"),
         "BERTPIPE_RAY_TOKEN_FILE": str(token_file),
-        "BERTPIPE_RAY_PORT": str(_free_port_block(8)),
-        "BERTPIPE_DASHBOARD_PORT": str(_free_port()),
-        "BERTPIPE_MLFLOW_PORT": str(_free_port()),
+        "BERTPIPE_RAY_PORT": str(base),
+        "BERTPIPE_DASHBOARD_PORT": str(base + 8),
+        "BERTPIPE_MLFLOW_PORT": str(base + 9),
         "BERTPIPE_NUM_CPUS": "4",
         "PATH": f"{BIN}:{env['PATH']}",
     })

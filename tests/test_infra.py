@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ports import free_port_block
+
 REPO = Path(__file__).resolve().parents[1]
 INFRA = REPO / "infra"
 CRD_DIR = REPO.parent / "shared" / "schemas" / "kuberay"
@@ -295,28 +297,6 @@ def test_mlflow_server_uses_a_database_and_an_object_store():
 
 # ---------------------------------------------------------------------------------------------------------
 # infra/local/cluster.sh
-
-
-def free_port_block(size: int, *, lo: int = 20000, hi: int = 45000) -> int:
-    """First port of `size` consecutive ports that are free right now on 127.0.0.1."""
-    import random
-
-    rng = random.Random(os.getpid())
-    for _ in range(200):
-        base = rng.randrange(lo, hi - size)
-        socks = []
-        try:
-            for port in range(base, base + size):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
 
 
 def script_env(state: Path, base: int, **extra: str) -> dict[str, str]:
