@@ -15,6 +15,7 @@ table gives mean ± sample standard deviation: one seed cannot tell a real gap f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -149,7 +150,7 @@ def main() -> None:
         data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, seeds[0])
         sides = {"ours": ([], [], []), "hf": ([], [], [])}  # scores, wall s, CPU s
         for seed in seeds:  # alternate the sides so a busy spell on the machine hits both
-            ps = TrialParams(**{**p.__dict__, "seed": seed})
+            ps = dataclasses.replace(p, seed=seed)
             for side, fn in (("ours", run_ours), ("hf", run_hf)):
                 c0 = cpu_seconds()
                 score, wall = fn(model, data, ps)

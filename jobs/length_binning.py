@@ -25,10 +25,6 @@ def row_lengths(batch: dict[str, Any]) -> np.ndarray:
     return np.array([len(r) for r in batch["input_ids"]], dtype=np.int64)
 
 
-def _take(batch: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
-    return {k: _as_rows(v)[rows] for k, v in batch.items()}
-
-
 def _as_rows(column: Any) -> np.ndarray:
     """A column as a 1-D array with one entry per row (a 2-D list column becomes an object array of rows), so
     columns of different batches concatenate whatever shape Ray gave each."""
@@ -70,7 +66,8 @@ def _regroup(batches: list[dict[str, Any]], rng: np.random.Generator) -> Iterato
     bounds = np.cumsum([0, *sorted(sizes)])
     groups = [order[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
     for g in rng.permutation(len(groups)):  # batch order random, so length does not trend within the window
-        yield _take(merged, np.sort(groups[g]))
+        rows = np.sort(groups[g])  # shard order kept inside a batch
+        yield {k: v[rows] for k, v in merged.items()}
 
 
 def padding_fraction(lengths: np.ndarray, batch_size: int, multiple: int = 8) -> float:
