@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shlex
 import sys
+import time
 
 from jobs.configtools import ConfigError
 from pipeline.stage import StageInputError
@@ -23,12 +26,44 @@ def _config(args):
     return load_config(args.config, args.overrides, args.workdir)
 
 
+def _log_file(workdir: str) -> str:
+    """Every run also logs, with tracebacks, to <workdir>/logs/run-<time>.log (local workdirs)."""
+    if "://" in workdir:
+        return ""
+    path = os.path.join(workdir, "logs", time.strftime("run-%Y%m%d-%H%M%S.log"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.DEBUG)
+    logging.getLogger().addHandler(handler)
+    return path
+
+
+def _resume_command(args, stage: str) -> str:
+    parts = ["bertpipe", "run", "--config", args.config]
+    if args.workdir:
+        parts += ["--workdir", args.workdir]
+    for item in args.overrides:
+        parts += ["--set", item]
+    return shlex.join(parts + ["--from", stage])
+
+
 def cmd_run(args) -> int:
     from jobs import workflow
 
     cfg = _config(args)
     only = [s for part in (args.only or []) for s in part.split(",") if s]
-    summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force)
+    workflow.preflight(cfg, workflow.select(only or None, args.start))  # bad input: one line, nothing written
+    log_path = _log_file(cfg.workdir)
+    try:
+        summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force)
+    except workflow.StageFailed as exc:
+        logging.getLogger("bertpipe").error("%s", exc, exc_info=exc.cause)
+        print(f"bertpipe: stage {exc.stage} failed: {_first_line(exc.cause)}", file=sys.stderr)
+        if log_path:
+            print(f"bertpipe: full log, with the traceback: {log_path}", file=sys.stderr)
+        print(f"bertpipe: after fixing it, resume with: {_resume_command(args, exc.stage)}", file=sys.stderr)
+        return 1
     for row in summary:
         extra = f"{row['seconds']:.1f} s" if row.get("seconds") is not None else "fresh"
         print(f"{row['stage']:<9} {row['action']:<8} rows={row['rows']}  {extra}")
@@ -96,8 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, StageInputError, ValueError) as exc:
-        print(f"bertpipe: error: {exc}", file=sys.stderr)
+        print(f"bertpipe: error: {_first_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _first_line(exc: BaseException) -> str:
+    """One line for the console (Ray and pyarrow append advice and tracebacks to their messages)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
 
 
 if __name__ == "__main__":

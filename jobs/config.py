@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, to_dict
+from jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths, to_dict
 from jobs.finetune_config import FinetuneConfig
-from jobs.pretrain_config import ModelConfig, PretrainConfig
-from pipeline.config import CleanConfig, PairsConfig, VocabConfig
+from jobs.pretrain_config import ModelConfig, PretrainConfig, validate
+from pipeline.config import CleanConfig, PairsConfig, VocabConfig, path_field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +36,7 @@ class MlflowConfig:
 @dataclass(frozen=True, kw_only=True)
 class RootConfig:
     # Where stage outputs go: <workdir>/<stage>/ (any local path or s3:// / gs:// URI).
-    workdir: str = "work/tiny"
+    workdir: str = path_field("work/tiny")
     seed: int = 12345
     ray: RayConfig = field(default_factory=RayConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
@@ -66,12 +66,23 @@ def find_preset(name_or_path: str) -> Path:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None,
-                workdir: str | None = None) -> RootConfig:
+                workdir: str | None = None, base: str | None = None) -> RootConfig:
+    """The run's config: checked (every value, every combination) and with every path absolute or a URI.
+
+    Relative paths, in a preset, an override or `--workdir`, are relative to `base` (default: the current
+    directory, where the user typed the command), never to wherever a later process happens to run."""
     data: dict[str, Any] = load_yaml(find_preset(path)) if path else {}
     data = apply_overrides(data, list(overrides or []))
     if workdir:
         data["workdir"] = workdir
-    return from_dict(RootConfig, data)
+    try:
+        cfg = from_dict(RootConfig, data)
+        validate(cfg.pretrain)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # a __post_init__ / validate check: the same one-line user error
+        raise ConfigError(str(exc)) from None
+    return resolve_paths(cfg, base or os.getcwd())
 
 
 def resolved_tracking_uri(cfg: RootConfig) -> str:
@@ -83,7 +94,7 @@ def resolved_tracking_uri(cfg: RootConfig) -> str:
         return uri
     if "://" in cfg.workdir:
         return ""  # no sensible local default for a remote workdir: track only when told where
-    return "sqlite:///" + os.path.abspath(os.path.join(cfg.workdir, "mlflow.db"))
+    return "sqlite:///" + os.path.join(cfg.workdir, "mlflow.db")
 
 
 def config_as_dict(cfg: RootConfig) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
+import os
 import json
 import types
 import typing
@@ -87,10 +89,12 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         prefix = f"{where}." if where else ""
+        close = difflib.get_close_matches(str(unknown[0]), list(fields), n=1)
+        hint = f"; did you mean {prefix}{close[0]}?" if close else ""
         raise ConfigError(
-            f"unknown config key {prefix}{unknown[0]!s}"
-            + (f" (and {unknown[1:]})" if len(unknown) > 1 else "")
-            + f"; valid keys{' of ' + where if where else ''}: {sorted(fields)}"
+            f"unknown config key {prefix}{unknown[0]!s}{hint}"
+            + (f" (also unknown: {unknown[1:]})" if len(unknown) > 1 else "")
+            + f" (valid keys{' of ' + where if where else ''}: {', '.join(sorted(fields))})"
         )
     kwargs = {}
     for name, value in data.items():
@@ -159,3 +163,27 @@ def stable_hash(obj: Any) -> str:
     """sha256 of the canonical JSON form of `obj` (dataclasses allowed)."""
     blob = json.dumps(to_dict(obj), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def absolute(value: str, base: str) -> str:
+    """A URI (s3://, gs://, https://, file://) or "" unchanged; a local path made absolute against `base`."""
+    if not value or "://" in value:
+        return value
+    return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+
+
+def resolve_paths(obj: T, base: str) -> T:
+    """A copy of config `obj` whose every path field (`pipeline.config.path_field`, at any depth) is absolute or a URI.
+
+    The one place relative paths are interpreted: on the driver, against the directory the user ran from.
+    Nothing downstream (stages, Ray tasks, Train workers, whose working directory is Ray's) sees a relative path.
+    """
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get("path"):
+            changes[f.name] = (tuple(absolute(v, base) for v in value) if isinstance(value, tuple)
+                               else absolute(value, base))
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = resolve_paths(value, base)
+    return dataclasses.replace(obj, **changes)

@@ -92,6 +92,64 @@ def read_model_files(uri: str) -> dict[str, bytes]:
     raise StageInputError(f"{uri}: no {' or '.join(WEIGHT_FILES)} in the initial model folder")
 
 
+BERT_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_checkpoint(uri: str) -> None:
+    """StageInputError unless `uri` is a Hugging Face-layout BERT folder: config.json of a BERT, vocab.txt, weights."""
+    import json
+
+    if not file_exists(_join(uri, "config.json")):
+        what = "does not exist" if not _folder_exists(uri) else "has no config.json"
+        raise StageInputError(f"finetune.init {uri} {what}: expected a BERT checkpoint folder "
+                              "(config.json, vocab.txt, model.safetensors or pytorch_model.bin)")
+    try:
+        config = json.loads(_read(_join(uri, "config.json")))
+    except ValueError as exc:
+        raise StageInputError(f"finetune.init {uri}/config.json is not JSON: {exc}") from None
+    lacking = [k for k in BERT_CONFIG_KEYS if k not in config]
+    if lacking or config.get("model_type", "bert") != "bert":
+        raise StageInputError(f"finetune.init {uri} is not a BERT checkpoint (model_type "
+                              f"{config.get('model_type')!r}, config.json lacks {lacking})")
+    if not file_exists(_join(uri, "vocab.txt")):
+        raise StageInputError(f"finetune.init {uri} has no vocab.txt")
+    if not any(file_exists(_join(uri, w)) for w in WEIGHT_FILES):
+        raise StageInputError(f"finetune.init {uri} has no weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def _folder_exists(uri: str) -> bool:
+    from pipeline import storage
+
+    return storage.exists(uri)
+
+
+def check_glue_dir(cfg: FinetuneConfig) -> None:
+    """StageInputError naming every file a requested task lacks (train.tsv and its dev sets)."""
+    if not cfg.glue_data_dir:
+        return
+    if not _folder_exists(cfg.glue_data_dir):
+        raise StageInputError(f"finetune.glue_data_dir {cfg.glue_data_dir} does not exist")
+    present = [n for n in task_names(cfg) if _folder_exists(_join(cfg.glue_data_dir, n))]
+    wanted = list(cfg.tasks) or present
+    if not wanted:
+        raise StageInputError(f"finetune.glue_data_dir {cfg.glue_data_dir} holds none of the GLUE task folders "
+                              f"({', '.join(GLUE_TASKS)})")
+    missing = [_join(cfg.glue_data_dir, name, f) for name in wanted
+               for f in ("train.tsv", *(f for _, f in TASKS[name].dev_files))
+               if not file_exists(_join(cfg.glue_data_dir, name, f))]
+    if missing:
+        raise StageInputError(f"GLUE data incomplete: missing {', '.join(missing)}")
+
+
+def preflight(ctx: StageContext) -> None:
+    """Before anything runs: an explicit init is a BERT checkpoint, and the GLUE folder has what the tasks need."""
+    cfg: FinetuneConfig = ctx.config["finetune"]
+    task_names(cfg)
+    if ctx.input("pretrain").explicit:
+        check_checkpoint(ctx.input("pretrain").uri)
+    check_glue_dir(cfg)
+
+
 def trial_seed(workflow_seed: int, task: str, seed: int) -> int:
     """The trial's RNG seed from the workflow seed, the task and the sweep's seed value."""
     digest = hashlib.sha256(f"{workflow_seed}/finetune/{task}/{seed}".encode()).hexdigest()
@@ -252,7 +310,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     if not glue_dir:
         glue_dir = write_sample(_join(ctx.output_uri, "smoke_glue"), seed=ctx.seed)
         log.info("finetune: no glue_data_dir, using the project's smoke sample (NOT GLUE) at %s", glue_dir)
-    init = cfg.init or _join(ctx.input("pretrain").uri, "export")
+    pretrain = ctx.input("pretrain")
+    init = pretrain.uri if pretrain.explicit else _join(pretrain.uri, "export")
     model_ref = ray.put(read_model_files(init))
     log.info("finetune: initial model %s; tasks %s", init, ", ".join(names))
 
@@ -359,4 +418,6 @@ def run_stage(ctx: StageContext) -> StageResult:
         num_rows=sum(len(o.trials) for o in outcomes), metrics=metrics, raw_inputs=raw_inputs,
         extra={"init": init, "glue_data_dir": glue_dir, "submission": submission,
                "tasks": {o.spec.name: {"status": o.status, "error": o.error or "; ".join(o.trial_errors)}
-                         for o in outcomes}})
+                         for o in outcomes}},
+        outputs=["summary.md", "summary.csv", *(f"submission/{n}" for n in submission),
+                 *(["submission.zip"] if submission else [])])

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.config import path_field
+
 
 @dataclass(frozen=True, kw_only=True)
 class FinetuneConfig:
     # Folder holding one sub-folder per task (CoLA/, SST-2/, MNLI/...) in the official GLUE TSV layout; any
     # smart_open URI. Empty: the project's small smoke sample (NOT GLUE), written into the stage output.
-    glue_data_dir: str = ""
+    glue_data_dir: str = path_field()
     # Tasks to run. Empty: all nine, whichever are present (the rest are reported absent). Named explicitly:
     # a missing task folder is a failure of that task.
     tasks: tuple[str, ...] = ()
     # A Hugging Face-layout BERT folder (config.json, model.safetensors, vocab.txt) to start from.
     # Empty: the pre-training export, <pretrain output>/export.
-    init: str = ""
+    init: str = path_field()
     learning_rates: tuple[float, ...] = (5e-5, 4e-5, 3e-5, 2e-5)
     # One trial per (task, learning rate, seed); each trial's RNG seed also mixes in the workflow seed.
     seeds: tuple[int, ...] = (1,)

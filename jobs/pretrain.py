@@ -29,6 +29,7 @@ from pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
 COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
+EXPORT_FILES = ("config.json", "model.safetensors", "vocab.txt")  # what fine-tuning (and transformers) loads
 
 
 def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
@@ -66,6 +67,26 @@ def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
     if missing:
         raise StageInputError(f"{uri} lacks the columns {missing}")
     return num_rows
+
+
+def preflight(ctx: StageContext) -> None:
+    """Before anything runs: explicit shards and vocabulary exist, carry this vocabulary and cover every phase."""
+    from pipeline.shards import list_shards
+    from pipeline.vocab import load_vocab, vocab_file, vocab_hash
+
+    cfg: PretrainConfig = ctx.config["pretrain"]
+    vocab, pairs = ctx.input("vocab"), ctx.input("pairs")
+    if vocab.explicit:
+        load_vocab(vocab_file(vocab.uri))
+    elif pairs.explicit:
+        raise StageInputError("pretrain.input names a shard folder: name its vocabulary too (vocab.path=...vocab.txt)")
+    if pairs.explicit:
+        vhash = vocab_hash(vocab.uri)
+        for phase, steps in zip(cfg.phases, cfg.phase_steps()):
+            if steps:
+                train, heldout = list_shards(pairs.uri, phase.max_seq_length)
+                for uri in (train[0], heldout):
+                    check_shard(uri, vhash, phase.max_seq_length)
 
 
 def default_storage_path(output_uri: str) -> str:
@@ -222,4 +243,5 @@ def run_stage(ctx: StageContext) -> StageResult:
     return StageResult(num_rows=int(metrics.get("step", 0)), metrics=metrics,
                        extra={"export": storage.join(ctx.output_uri, "export"),
                               "checkpoints": storage.join(storage_path, name),
-                              "train_rows": rows, "checkpoint": result.checkpoint.path if result.checkpoint else ""})
+                              "train_rows": rows, "checkpoint": result.checkpoint.path if result.checkpoint else ""},
+                       outputs=[f"export/{name}" for name in EXPORT_FILES])

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pipeline.config import path_field
+
 MODEL_PRESETS = ("tiny", "mini", "base", "large")
 
 
@@ -43,6 +45,9 @@ class PhaseConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PretrainConfig:
+    # A pairs shard folder (seq_128/, seq_512/ ...) to train on instead of the pairs stage's output; its vocabulary
+    # must then be given as vocab.path. Empty = the pairs stage's output.
+    input: str = path_field()
     # --- resources
     num_workers: int = 2
     use_gpu: bool = False
@@ -95,7 +100,7 @@ class PretrainConfig:
     max_failures: int = 3
     # Ray Train storage (local path or s3://). Empty = <parent of the stage output>/ray_results, outside the
     # output folder (the workflow empties that before a rerun, and a rerun must find the checkpoints).
-    storage_path: str = ""
+    storage_path: str = path_field()
     # Run name under storage_path; empty = derived from the config and inputs, so an identical rerun resumes.
     run_name: str = ""
     # Test hook: rank 1 dies (os._exit) once when it reaches this optimizer step. 0 = off.

@@ -22,6 +22,10 @@ def _address(args) -> str:
         or DEFAULT_DASHBOARD
 
 
+class ClusterUnreachable(ValueError):
+    """No Ray cluster answers at the address: a user error with a one-line fix, not a traceback."""
+
+
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
@@ -30,7 +34,13 @@ def _client(address: str):
     if os.environ.get("RAY_AUTH_MODE") != "token" and has_token:
         # A token is at hand but auth mode is unset: the client would send nothing and get a 401.
         os.environ["RAY_AUTH_MODE"] = "token"
-    return JobSubmissionClient(address)
+    try:
+        return JobSubmissionClient(address)
+    except ConnectionError:
+        raise ClusterUnreachable(
+            f"no Ray cluster answers at {address}: start one with `infra/local/cluster.sh start` (then "
+            "`source .bertpipe-local/env.sh`), or pass --address / set RAY_ADDRESS to your cluster's dashboard URL"
+        ) from None
 
 
 def _entrypoint(argv: list[str]) -> str:

@@ -1,13 +1,18 @@
 """The workflow: stages in order, each skipped when its committed manifest matches its fingerprint.
 
 clean -> vocab -> pairs -> pretrain -> finetune. A stage's fingerprint covers its config sections, the seed,
-the schema version, its raw inputs (dump size + checksum) and the output ids of the upstream manifests; so a
-changed field, a different dump or a rerun upstream stage makes it (and everything after it) stale.
+the schema version, its raw inputs (dump size + checksum) and its inputs: the output ids of the upstream manifests,
+or, for an input the user named explicitly (a vocab.txt, a shard folder, a checkpoint), that input's content
+checksums. A changed field, a different dump or a rerun upstream stage makes it (and everything after it) stale.
+
+Every run starts with a preflight on the driver, before MLflow or Ray: config values, inputs and raw inputs of
+every selected stage are checked, so bad input fails in seconds with one line and nothing half-written.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -18,8 +23,9 @@ from jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from jobs.configtools import stable_hash, to_dict
 from jobs.tracking import WorkflowTracker
 from pipeline import storage
-from pipeline.stage import (SCHEMA_VERSION, StageContext, StageInput, StageInputError, read_manifest,
-                            write_manifest)
+from pipeline.identity import describe_tree
+from pipeline.stage import (SCHEMA_VERSION, StageContext, StageInput, StageInputError, missing_outputs,
+                            read_manifest, write_manifest)
 
 log = logging.getLogger("bertpipe")
 
@@ -31,17 +37,32 @@ class Stage:
     inputs: tuple[str, ...]        # upstream stages whose committed output it reads
     run: str                       # "module:function" — imported only when the stage runs
     raw_inputs: str = ""           # "module:function(section_config) -> [{uri,size,checksum}]"
+    # upstream stage -> the config field ("section.key") that names that input explicitly instead
+    explicit: tuple[tuple[str, str], ...] = ()
+    check: str = ""                # "module:function(StageContext)": stage-specific preflight, raises on bad input
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("clean", ("clean",), (), "pipeline.clean:run_stage", "pipeline.clean:describe_raw_inputs"),
-    Stage("vocab", ("vocab",), ("clean",), "pipeline.vocab:run_stage", "pipeline.vocab:describe_raw_inputs"),
-    Stage("pairs", ("pairs",), ("clean", "vocab"), "pipeline.pairs:run_stage"),
-    Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "jobs.pretrain:run_stage"),
-    Stage("finetune", ("finetune",), ("pretrain",), "jobs.finetune:run_stage",
-          "jobs.finetune:describe_raw_inputs"),
+    Stage("vocab", ("vocab",), ("clean",), "pipeline.vocab:run_stage", "pipeline.vocab:describe_raw_inputs",
+          explicit=(("clean", "vocab.input"),)),
+    Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "pipeline.pairs:run_stage",
+          explicit=(("clean", "pairs.input"), ("vocab", "vocab.path"))),
+    Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "jobs.pretrain:run_stage",
+          explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")), check="jobs.pretrain:preflight"),
+    Stage("finetune", ("finetune",), ("pretrain",), "jobs.finetune:run_stage", "jobs.finetune:describe_raw_inputs",
+          explicit=(("pretrain", "finetune.init"),), check="jobs.finetune:preflight"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+class StageFailed(RuntimeError):
+    """A stage raised while running; carries its name so the CLI can say which stage and how to resume."""
+
+    def __init__(self, stage: str, cause: BaseException):
+        super().__init__(f"stage {stage} failed: {type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.cause = cause
 
 
 def _load(ref: str) -> Callable[..., Any]:
@@ -66,24 +87,43 @@ def stage_config(cfg: RootConfig, stage: Stage) -> dict[str, Any]:
     return {section: getattr(cfg, section) for section in stage.sections}
 
 
+def _field(cfg: RootConfig, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def explicit_inputs(cfg: RootConfig, stage: Stage) -> dict[str, str]:
+    """{upstream stage: URI} for the inputs the config names explicitly (they override upstream outputs)."""
+    return {up: _field(cfg, key) for up, key in stage.explicit if _field(cfg, key)}
+
+
+def needed_inputs(cfg: RootConfig, stage: Stage) -> tuple[str, ...]:
+    # A vocab stage given an existing vocab.txt reads no documents.
+    if stage.name == "vocab" and cfg.vocab.path and not cfg.vocab.input:
+        return ()
+    return stage.inputs
+
+
 def raw_inputs_of(cfg: RootConfig, stage: Stage) -> list[dict[str, Any]]:
     if not stage.raw_inputs:
         return []
     describe = _load(stage.raw_inputs)
-    if describe is None:
-        return []
-    return describe(getattr(cfg, stage.sections[0]))
+    return describe(getattr(cfg, stage.sections[0])) if describe else []
 
 
-def fingerprint(cfg: RootConfig, stage: Stage, upstream: dict[str, dict | None],
-                raw: list[dict[str, Any]]) -> str:
+def fingerprint(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], raw: list[dict[str, Any]],
+                explicit_ids: dict[str, list[dict[str, Any]]]) -> str:
+    upstream = {}
+    for name, inp in sorted(inputs.items()):
+        upstream[name] = ([{k: r.get(k) for k in ("uri", "size", "checksum")} for r in explicit_ids[name]]
+                          if inp.explicit else (inp.manifest or {}).get("output_id"))
     return stable_hash({
         "stage": stage.name,
         "schema_version": SCHEMA_VERSION,
         "seed": cfg.seed,
         "config": stage_config(cfg, stage),
         "raw_inputs": [{k: r.get(k) for k in ("uri", "size", "checksum")} for r in raw],
-        "upstream": {name: (m or {}).get("output_id") for name, m in sorted(upstream.items())},
+        "upstream": upstream,
     })
 
 
@@ -100,28 +140,106 @@ def select(only: list[str] | None, start: str | None) -> list[str]:
     return list(STAGE_NAMES)
 
 
-def status(cfg: RootConfig) -> list[dict[str, Any]]:
-    """Every stage with its state: fresh (committed, matches), stale (committed, would rerun), missing."""
-    rows, states, manifests = [], {}, {}
+def committed(cfg: RootConfig) -> dict[str, tuple[dict | None, list[str]]]:
+    """{stage: (manifest or None, outputs the manifest lists that are gone)} for every stage."""
+    out = {}
     for stage in STAGES:
         uri = stage_uri(cfg, stage.name)
         manifest = read_manifest(uri)
-        manifests[stage.name] = manifest
+        out[stage.name] = (manifest, missing_outputs(uri, manifest) if manifest else [])
+    return out
+
+
+@dataclass
+class Plan:
+    """What preflight found for one stage: its inputs, raw inputs and fingerprint (when computable now)."""
+
+    stage: Stage
+    inputs: dict[str, StageInput]
+    raw: list[dict[str, Any]]
+    explicit_ids: dict[str, list[dict[str, Any]]]
+
+    def fingerprint(self, cfg: RootConfig) -> str:
+        return fingerprint(cfg, self.stage, self.inputs, self.raw, self.explicit_ids)
+
+
+def _plan(cfg: RootConfig, stage: Stage, state: dict[str, tuple[dict | None, list[str]]],
+          will_run: set[str]) -> Plan:
+    """Inputs of `stage` (explicit ones described by checksum), or StageInputError saying what is missing."""
+    explicit = explicit_inputs(cfg, stage)
+    inputs, ids = {}, {}
+    for up in needed_inputs(cfg, stage):
+        if up in explicit:
+            key = dict(stage.explicit)[up]
+            ids[up] = describe_tree(explicit[up], what=key)
+            inputs[up] = StageInput(up, explicit[up], None)
+            continue
+        manifest, gone = state[up]
+        if up not in will_run and (manifest is None or gone):
+            why = (f"its committed output is broken ({', '.join(gone[:3])} missing)" if manifest else
+                   f"no {up}/_MANIFEST.json under {cfg.workdir}")
+            hint = f" or set {dict(stage.explicit)[up]}" if up in dict(stage.explicit) else ""
+            raise StageInputError(f"stage {stage.name} needs the committed output of {up} ({why}); "
+                                  f"run `bertpipe run --from {up}`{hint}")
+        inputs[up] = StageInput(up, stage_uri(cfg, up), manifest)
+    return Plan(stage, inputs, raw_inputs_of(cfg, stage), ids)
+
+
+def preflight(cfg: RootConfig, selected: list[str]) -> dict[str, Plan]:
+    """Check every selected stage's inputs before anything runs; StageInputError / ValueError on the first problem."""
+    if "pretrain" in selected and not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+        from jobs.pretrain import check_resources
+
+        # The local Ray this run will start has ray.num_cpus CPUs: refuse a layout that would hang on it now.
+        check_resources(cfg.pretrain, {"CPU": cfg.ray.num_cpus, "GPU": cfg.pretrain.num_workers})
+    state = committed(cfg)
+    plans: dict[str, Plan] = {}
+    for stage in STAGES:
+        if stage.name not in selected:
+            continue
+        plan = _plan(cfg, stage, state, set(plans))
+        if stage.check:
+            _load(stage.check)(_context(cfg, stage, plan.inputs))
+        plans[stage.name] = plan
+    return plans
+
+
+def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], tracker: WorkflowTracker | None = None,
+             run_id: str = "") -> StageContext:
+    return StageContext(
+        name=stage.name, output_uri=stage_uri(cfg, stage.name), config=stage_config(cfg, stage), seed=cfg.seed,
+        inputs=inputs,
+        log_metrics=(lambda metrics, step=None: tracker.log_metrics(run_id, metrics, step)) if tracker else
+        (lambda metrics, step=None: None),
+        tracking=tracker.coordinates(run_id) if tracker else {},
+    )
+
+
+def status(cfg: RootConfig) -> list[dict[str, Any]]:
+    """Every stage with its state: fresh (committed, matches), stale (committed, would rerun), broken (committed,
+    but outputs it lists are gone: reruns), missing."""
+    state = committed(cfg)
+    rows, states = [], {}
+    for stage in STAGES:
+        manifest, gone = state[stage.name]
         try:
-            raw = raw_inputs_of(cfg, stage)
-            expected = fingerprint(cfg, stage, {n: manifests[n] for n in stage.inputs}, raw)
-            problem = ""
+            plan = _plan(cfg, stage, state, set())
+            expected, problem = plan.fingerprint(cfg), ""
         except (StageInputError, ValueError, OSError) as exc:
             expected, problem = "", str(exc)
         if manifest is None:
-            state = "missing"
-        elif manifest.get("fingerprint") != expected or any(states[n] != "fresh" for n in stage.inputs):
-            state = "stale"
+            st = "missing"
+        elif gone:
+            st, problem = "broken", f"missing outputs: {', '.join(gone[:5])}"
+        elif manifest.get("fingerprint") != expected or any(
+                states.get(n, "fresh") != "fresh" for n in needed_inputs(cfg, stage)
+                if n not in explicit_inputs(cfg, stage)):
+            st = "stale"
         else:
-            state = "fresh"
-        states[stage.name] = state
+            st = "fresh"
+        states[stage.name] = st
         rows.append({
-            "stage": stage.name, "state": state, "output": uri,
+            "stage": stage.name, "state": st, "output": stage_uri(cfg, stage.name),
             "rows": (manifest or {}).get("num_rows"), "bytes": (manifest or {}).get("num_bytes"),
             "seconds": (manifest or {}).get("seconds"), "finished_at": (manifest or {}).get("finished_at"),
             "fingerprint": expected, **({"problem": problem} if problem else {}),
@@ -131,50 +249,58 @@ def status(cfg: RootConfig) -> list[dict[str, Any]]:
 
 def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = None,
         force: bool = False) -> list[dict[str, Any]]:
-    """Run the selected stages in order; returns one summary row per stage (ran / skipped)."""
+    """Run the selected stages in order; returns one summary row per stage (ran / skipped).
+
+    Raises StageInputError / ValueError from the preflight (nothing started) or StageFailed (a stage raised)."""
     selected = select(only, start)
+    plans = preflight(cfg, selected)
     tracker = WorkflowTracker(resolved_tracking_uri(cfg), cfg.mlflow.experiment,
                               artifact_root=storage.join(cfg.workdir, "mlartifacts"))
     tracker.start_parent(cfg.mlflow.run_name or f"workflow {time.strftime('%Y-%m-%d %H:%M:%S')}",
                          config_as_dict(cfg), {"bertpipe.stages": ",".join(selected)})
-    manifests = {s.name: read_manifest(stage_uri(cfg, s.name)) for s in STAGES}
     summary: list[dict[str, Any]] = []
     ok = False
     try:
-        for stage in STAGES:
-            if stage.name not in selected:
-                continue
-            missing = [n for n in stage.inputs if manifests[n] is None]
-            if missing:
-                raise StageInputError(
-                    f"stage {stage.name} needs the committed output of {', '.join(missing)} "
-                    f"(no {missing[0]}/_MANIFEST.json under {cfg.workdir}); run those stages first")
-            raw = raw_inputs_of(cfg, stage)
-            fp = fingerprint(cfg, stage, {n: manifests[n] for n in stage.inputs}, raw)
-            section_cfg = {k: to_dict(v) for k, v in stage_config(cfg, stage).items()}
-            run_id = tracker.start_stage(stage.name, {**section_cfg, "seed": cfg.seed})
-            current = manifests[stage.name]
-            if current is not None and current.get("fingerprint") == fp and not force:
-                log.info("stage %-8s fresh (fingerprint %s), skipped", stage.name, fp[:12])
-                tracker.set_tag(run_id, "bertpipe.skipped", "fresh")
-                tracker.log_metrics(run_id, {"num_rows": current.get("num_rows", 0), "skipped": 1})
-                tracker.log_dict_artifact(run_id, current, "_MANIFEST.json")
-                tracker.end(run_id, True)
-                summary.append({"stage": stage.name, "action": "skipped", "rows": current.get("num_rows")})
-                continue
-            manifests[stage.name] = _run_stage(cfg, stage, fp, raw, manifests, tracker, run_id)
-            summary.append({"stage": stage.name, "action": "ran", "rows": manifests[stage.name]["num_rows"],
-                            "seconds": manifests[stage.name]["seconds"]})
+        for name in selected:
+            summary.append(_run_or_skip(cfg, plans[name], tracker, force))
+            # Downstream plans read this stage's fresh manifest (a new output id makes them stale).
+            for later in plans.values():
+                if name in later.inputs and not later.inputs[name].explicit:
+                    later.inputs[name] = StageInput(name, stage_uri(cfg, name), read_manifest(stage_uri(cfg, name)))
         ok = True
     finally:
         tracker.end(tracker.parent_run_id, ok)
     return summary
 
 
-def _run_stage(cfg: RootConfig, stage: Stage, fp: str, raw: list[dict[str, Any]],
-               manifests: dict[str, dict | None], tracker: WorkflowTracker, run_id: str) -> dict[str, Any]:
+def _run_or_skip(cfg: RootConfig, plan: Plan, tracker: WorkflowTracker, force: bool) -> dict[str, Any]:
+    stage = plan.stage
+    fp = plan.fingerprint(cfg)
+    section_cfg = {k: to_dict(v) for k, v in stage_config(cfg, stage).items()}
+    run_id = tracker.start_stage(stage.name, {**section_cfg, "seed": cfg.seed})
+    uri = stage_uri(cfg, stage.name)
+    current = read_manifest(uri)
+    if current is not None and current.get("fingerprint") == fp and not force and not missing_outputs(uri, current):
+        log.info("stage %-8s fresh (fingerprint %s), skipped", stage.name, fp[:12])
+        tracker.set_tag(run_id, "bertpipe.skipped", "fresh")
+        tracker.log_metrics(run_id, {"num_rows": current.get("num_rows", 0), "skipped": 1})
+        tracker.log_dict_artifact(run_id, current, "_MANIFEST.json")
+        tracker.end(run_id, True)
+        return {"stage": stage.name, "action": "skipped", "rows": current.get("num_rows")}
+    try:
+        manifest = _run_stage(cfg, plan, fp, tracker, run_id)
+    except BaseException as exc:
+        tracker.end(run_id, False)
+        if isinstance(exc, Exception):
+            raise StageFailed(stage.name, exc) from exc
+        raise
+    return {"stage": stage.name, "action": "ran", "rows": manifest["num_rows"], "seconds": manifest["seconds"]}
+
+
+def _run_stage(cfg: RootConfig, plan: Plan, fp: str, tracker: WorkflowTracker, run_id: str) -> dict[str, Any]:
     from jobs.raycluster import ensure_ray
 
+    stage = plan.stage
     uri = stage_uri(cfg, stage.name)
     log.info("stage %-8s running -> %s", stage.name, uri)
     started = time.time()
@@ -182,27 +308,17 @@ def _run_stage(cfg: RootConfig, stage: Stage, fp: str, raw: list[dict[str, Any]]
     # reads as incomplete, so a crash can never leave a committed half-output.
     storage.reset_dir(uri)
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard)
-    ctx = StageContext(
-        name=stage.name, output_uri=uri, config=stage_config(cfg, stage), seed=cfg.seed,
-        inputs={n: StageInput(n, stage_uri(cfg, n), manifests[n]) for n in stage.inputs},
-        log_metrics=lambda metrics, step=None: tracker.log_metrics(run_id, metrics, step),
-        tracking=tracker.coordinates(run_id),
+    ctx = _context(cfg, stage, plan.inputs, tracker, run_id)
+    result = _load(stage.run)(ctx)
+    explicit = [r for ids in plan.explicit_ids.values() for r in ids]
+    result.raw_inputs = (result.raw_inputs or plan.raw) + explicit
+    config = {k: to_dict(v) for k, v in ctx.config.items()}
+    storage.write_text_atomic(storage.join(uri, "_CONFIG.json"), _json({"seed": cfg.seed, **config}))
+    manifest = write_manifest(
+        uri, stage=stage.name, fingerprint=fp, result=result, config=config,
+        inputs={n: (i.manifest["output_id"] if i.manifest else i.uri) for n, i in plan.inputs.items()},
+        started=started, code_version=code_version(),
     )
-    try:
-        result = _load(stage.run)(ctx)
-        if not result.raw_inputs:
-            result.raw_inputs = raw
-        storage.write_text_atomic(storage.join(uri, "_CONFIG.json"),
-                                  _json({"seed": cfg.seed, **{k: to_dict(v) for k, v in ctx.config.items()}}))
-        manifest = write_manifest(
-            uri, stage=stage.name, fingerprint=fp, result=result,
-            config={k: to_dict(v) for k, v in ctx.config.items()},
-            inputs={n: manifests[n]["output_id"] for n in stage.inputs}, started=started,
-            code_version=code_version(),
-        )
-    except BaseException:
-        tracker.end(run_id, False)
-        raise
     tracker.log_final_metrics(run_id, {**result.metrics, "num_rows": manifest["num_rows"],
                                        "num_bytes": manifest["num_bytes"], "seconds": manifest["seconds"]})
     tracker.log_dict_artifact(run_id, manifest, "_MANIFEST.json")

@@ -8,13 +8,9 @@ same dumps give byte-identical content whatever the task scheduling was.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -23,6 +19,7 @@ import pyarrow.parquet as pq
 
 from pipeline import storage
 from pipeline.config import CleanConfig
+from pipeline.identity import describe_file
 from pipeline.dump_reader import ReadUnit, expand_inputs, iter_pages, plan_units
 from pipeline.stage import StageContext, StageInputError, StageResult
 from pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
@@ -35,80 +32,15 @@ ARTICLE, REDIRECT, OTHER_NS, DISAMBIGUATION, TOO_SHORT = "article", "redirect", 
     "too_short"
 
 
-# ---------------------------------------------------------------- raw input identity (fingerprints)
-
-def _cache_path() -> Path:
-    root = os.environ.get("BERTPIPE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "bertpipe")
-    return Path(root) / "sha256.json"
-
-
-def _local_sha256(path: str) -> tuple[int, str]:
-    """(size, sha256) of a local file, cached by (path, size, mtime) so re-fingerprinting a 20 GB dump is free."""
-    st = os.stat(path)
-    key = os.path.abspath(path)
-    cache_file = _cache_path()
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    hit = cache.get(key)
-    if hit and hit["size"] == st.st_size and hit["mtime_ns"] == st.st_mtime_ns:
-        return st.st_size, hit["sha256"]
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
-    try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(cache_file)
-    except OSError as exc:  # a read-only home must not stop the pipeline; we only lose the cache
-        log.warning("cannot write checksum cache %s: %s", cache_file, exc)
-    return st.st_size, digest.hexdigest()
-
-
-def _remote_identity(uri: str) -> tuple[int, str]:
-    if uri.startswith(("http://", "https://")):
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(urllib.request.Request(uri, method="HEAD"), timeout=30) as resp:
-                headers = resp.headers
-        except OSError as exc:
-            raise StageInputError(f"input dump {uri} cannot be reached: {exc}") from exc
-        size = int(headers.get("Content-Length") or -1)
-        tag = headers.get("ETag") or headers.get("Last-Modified") or "unknown"
-        return size, f"etag:{tag.strip(chr(34))}" if headers.get("ETag") else f"http:{tag}"
-    import pyarrow.fs as pafs
-
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-        info = fs.get_file_info(path)
-    except (OSError, ValueError) as exc:
-        raise StageInputError(f"input dump {uri} cannot be reached: {exc}") from exc
-    if info.type != pafs.FileType.File:
-        raise StageInputError(f"input dump {uri} does not exist")
-    # pyarrow exposes no ETag; size + modification time still notice a re-uploaded dump.
-    mtime = info.mtime.isoformat() if info.mtime else "unknown"
-    return info.size, f"mtime:{mtime}"
-
-
 def describe_raw_inputs(cfg: CleanConfig) -> list[dict[str, Any]]:
     """[{"uri", "size", "checksum"}] of every dump `cfg.input` names (globs expanded), for the stage fingerprint."""
-    out = []
-    for uri in expand_inputs(cfg.input):
-        local = uri.removeprefix("file://") if "://" not in uri or uri.startswith("file://") else None
-        if local is not None:
-            if not os.path.isfile(local):
-                raise StageInputError(f"input dump {uri} does not exist")
-            size, sha = _local_sha256(local)
-            out.append({"uri": os.path.abspath(local), "size": size, "checksum": f"sha256:{sha}"})
-        else:
-            size, tag = _remote_identity(uri)
-            out.append({"uri": uri, "size": size, "checksum": tag})
-    return out
+    try:
+        return [describe_file(uri, what="input dump") for uri in expand_inputs(cfg.input)]
+    except StageInputError as exc:
+        if "does not exist" in str(exc) or "matches no file" in str(exc):
+            raise StageInputError(f"{exc} (set clean.input to a Wikipedia dump; for the bundled sample run "
+                                  "`bertpipe fetch-sample` first)") from None
+        raise
 
 
 # ---------------------------------------------------------------- pure per-row / per-batch functions
@@ -269,4 +201,4 @@ def run_stage(ctx: StageContext) -> StageResult:
     }
     log.info("clean: done in %.1fs: %s", seconds, metrics)
     ctx.log_metrics(metrics, None)
-    return StageResult(num_rows=counts[ARTICLE], metrics=metrics, raw_inputs=raw_inputs)
+    return StageResult(num_rows=counts[ARTICLE], metrics=metrics, raw_inputs=raw_inputs, outputs=files)

@@ -1,16 +1,23 @@
 """Typed configs of the data stages. Frozen, keyword-only: YAML and `--set key=value` fill them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 # The real Wikipedia sample that `bertpipe fetch-sample` (run by `make run`) extracts from the gensim 4.4.0 wheel.
 SAMPLE_DUMP = "data/sample/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
+def path_field(default: Any = "") -> Any:
+    """A field naming a local path or URI (or a tuple of them). The config loader makes every such field absolute
+    on the driver (`jobs.configtools.resolve_paths`): code on a Ray worker never sees a relative path."""
+    return field(default=default, metadata={"path": True})
+
+
 @dataclass(frozen=True, kw_only=True)
 class CleanConfig:
     # One or more dumps: local paths, globs or any smart_open URI (s3://, gs://, https://).
-    input: tuple[str, ...] = (SAMPLE_DUMP,)
+    input: tuple[str, ...] = path_field((SAMPLE_DUMP,))
     # Paragraphs shorter than this (after markup removal) are dropped: leftovers of captions and stubs.
     min_paragraph_chars: int = 20
     # Articles with less text than this are dropped (stubs carry no sentence pairs worth training on).
@@ -32,7 +39,11 @@ class CleanConfig:
 @dataclass(frozen=True, kw_only=True)
 class VocabConfig:
     # An existing vocab.txt (Google's uncased vocabulary works); empty = train one on the clean corpus.
-    path: str = ""
+    path: str = path_field()
+    # Documents to train on instead of the clean stage's output: a folder of Parquet files with a `text` column
+    # (a clean output), or text files / a folder of them (one sentence per line, a blank line between documents,
+    # the format of google-research/bert). Empty = the clean stage's output.
+    input: str = path_field()
     vocab_size: int = 30_522
     lowercase: bool = True
     min_frequency: int = 2
@@ -41,6 +52,9 @@ class VocabConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PairsConfig:
+    # Documents to pair instead of the clean stage's output (same forms as vocab.input). The vocabulary comes
+    # from vocab.path when set, else from the vocab stage.
+    input: str = path_field()
     # One shard set per length: phase 1 trains at 128, phase 2 at 512 (BERT paper).
     max_seq_lengths: tuple[int, ...] = (128, 512)
     short_seq_prob: float = 0.1

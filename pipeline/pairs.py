@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
-import json
 import logging
 import re
 import time
@@ -27,7 +26,8 @@ from pipeline.config import PairsConfig, VocabConfig
 from pipeline.instances import PairStats, create_spans, derive_seed, gather_instances
 from pipeline.sentences import split_sentences
 from pipeline.stage import StageContext, StageInputError, StageResult
-from pipeline.vocab import clean_files, load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
+from pipeline.documents import document_files, read_documents
+from pipeline.vocab import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,6 @@ def _write_length(ctx, cfg, train, heldout, length, meta, vocab_size, seed, pair
 
 
 def run_stage(ctx: StageContext) -> StageResult:
-    import ray
     from ray.data import DataContext
 
     cfg: PairsConfig = ctx.config["pairs"]
@@ -295,14 +294,14 @@ def run_stage(ctx: StageContext) -> StageResult:
     tokens_list = load_vocab(vocab_uri)
     specials = special_ids(tokens_list)
     lowercase = _lowercase(ctx)
-    files = clean_files(ctx.input("clean").uri)
+    files = document_files(ctx.input("clean").uri)
     v_hash = vocab_hash(vocab_uri)
 
     data_ctx = DataContext.get_current()
     saved_order = data_ctx.execution_options.preserve_order
     data_ctx.execution_options.preserve_order = True  # same seed -> same blocks in the same order -> same bytes
     try:
-        docs = ray.data.read_parquet(files).select_columns(["id", "text"])
+        docs = read_documents(files)
         tokenized = docs.map_batches(tokenize_batch, batch_size=cfg.docs_per_tokenize_batch, batch_format="pyarrow",
                                      fn_kwargs={"vocab_uri": vocab_uri, "lowercase": lowercase}).materialize()
         num_docs = tokenized.count()
@@ -349,4 +348,6 @@ def run_stage(ctx: StageContext) -> StageResult:
         num_rows=int(sum(metrics[f"instances_written_seq{L}"] for L in cfg.max_seq_lengths)),
         metrics=metrics,
         extra={"vocab_hash": v_hash, "max_seq_lengths": list(cfg.max_seq_lengths), "num_shards": cfg.num_shards},
+        outputs=[f"{shards.seq_dir(L)}/{name}" for L in cfg.max_seq_lengths
+                 for name in [*map(shards.train_shard_name, range(cfg.num_shards)), shards.HELDOUT_NAME]],
     )

@@ -107,17 +107,23 @@ def read_shard_meta(uri: str) -> dict:
 
 
 def list_shards(pairs_uri: str, max_seq_length: int) -> tuple[list[str], str]:
-    """(train shard URIs sorted, held-out URI) of one length, from a committed pairs folder only."""
+    """(train shard URIs sorted, held-out URI) of one length. From the manifest of a committed pairs folder; a
+    folder without one (shards a user names explicitly, `pretrain.input`) is listed as it is."""
     manifest = read_manifest(pairs_uri)
-    if manifest is None:
-        raise StageInputError(f"{pairs_uri} has no committed _MANIFEST.json: the pairs stage did not finish there")
+    if manifest is not None:
+        files = [f["path"].replace(os.sep, "/") for f in manifest.get("files", [])]
+    elif storage.exists(pairs_uri):
+        files = [p.replace(os.sep, "/") for p, _ in storage.list_files(pairs_uri)]
+    else:
+        raise StageInputError(f"shard folder {pairs_uri} does not exist")
     prefix = seq_dir(max_seq_length) + "/"
-    files = [f["path"].replace(os.sep, "/") for f in manifest.get("files", [])]
     train = sorted(p for p in files if p.startswith(prefix + "train-") and p.endswith(".parquet"))
     if not train:
         lengths = sorted({p.split("/")[0] for p in files if p.startswith("seq")})
         raise StageInputError(f"{pairs_uri} has no shards for max_seq_length={max_seq_length} (it has {lengths})")
     heldout = prefix + HELDOUT_NAME
+    if heldout not in files:
+        raise StageInputError(f"{pairs_uri} has no held-out shard {heldout}")
     return [storage.join(pairs_uri, *p.split("/")) for p in train], storage.join(pairs_uri, *heldout.split("/"))
 
 

@@ -23,11 +23,21 @@ class StageInputError(ValueError):
     """Bad input for a stage (missing file, malformed dump, wrong vocabulary...): a user error, nothing committed."""
 
 
+class StageOutputError(RuntimeError):
+    """A stage finished without writing an output it declares: it is not committed."""
+
+
 @dataclass(frozen=True)
 class StageInput:
     name: str
     uri: str
-    manifest: dict[str, Any]
+    # The upstream stage's committed manifest; None when the user named this input explicitly (a vocab.txt, a
+    # shard folder, a checkpoint...) instead of taking the upstream stage's output.
+    manifest: dict[str, Any] | None
+
+    @property
+    def explicit(self) -> bool:
+        return self.manifest is None
 
 
 @dataclass
@@ -58,6 +68,9 @@ class StageResult:
     raw_inputs: list[dict[str, Any]] = field(default_factory=list)
     # Anything else worth keeping beside the data (e.g. paths of exported models).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Paths (relative to the output folder) that downstream stages or users rely on. The manifest is written only
+    # if all of them exist; a later check that finds one gone makes the stage broken, never fresh.
+    outputs: list[str] = field(default_factory=list)
 
 
 def manifest_uri(output_uri: str) -> str:
@@ -87,6 +100,11 @@ def write_manifest(
     code_version: str,
 ) -> dict[str, Any]:
     files = storage.list_files(output_uri)
+    present = {p for p, _ in files}
+    missing = [p for p in result.outputs if p not in present]
+    if missing:
+        raise StageOutputError(f"stage {stage} declares outputs it did not write under {output_uri}: "
+                               f"{', '.join(missing)}; nothing committed")
     seconds = time.time() - started
     manifest = {
         "stage": stage,
@@ -101,6 +119,7 @@ def write_manifest(
         "raw_inputs": result.raw_inputs,
         "metrics": result.metrics,
         "extra": result.extra,
+        "outputs": list(result.outputs),
         "started_at": started,
         "finished_at": time.time(),
         "seconds": round(seconds, 3),
@@ -109,3 +128,10 @@ def write_manifest(
     }
     storage.write_text_atomic(manifest_uri(output_uri), json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
+
+
+def missing_outputs(output_uri: str, manifest: dict[str, Any]) -> list[str]:
+    """Files a committed manifest lists (its declared outputs and every data file) that are no longer there."""
+    present = {p for p, _ in storage.list_files(output_uri)}
+    listed = list(manifest.get("outputs", [])) + [f["path"] for f in manifest.get("files", [])]
+    return sorted({p for p in listed if p not in present})

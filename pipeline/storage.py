@@ -8,9 +8,14 @@ import pyarrow.fs as pafs
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it). Plain paths are made absolute local paths."""
+    """(filesystem, path inside it). A local path must already be absolute: relative paths are resolved once,
+    on the driver, when the config is loaded; here, possibly on a Ray worker whose working directory is Ray's
+    per-run folder, a relative path would silently point somewhere else."""
     if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
+        if not os.path.isabs(uri):
+            raise ValueError(f"relative path {uri!r} reached storage: paths must be made absolute when the config "
+                             "is loaded (jobs.config.load_config), not where the code happens to run")
+        return pafs.LocalFileSystem(), uri
     return pafs.FileSystem.from_uri(uri)
 
 

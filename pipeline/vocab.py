@@ -14,16 +14,14 @@ import hashlib
 import logging
 import time
 import unicodedata
-from typing import Iterator
 
 import numpy as np
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from pipeline import storage
 from pipeline.config import VocabConfig
+from pipeline.documents import document_files, iter_texts
 from pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger(__name__)
@@ -115,29 +113,6 @@ def tokenizer_from_tokens(tokens: list[str], lowercase: bool) -> Tokenizer:
 def make_tokenizer(vocab_path: str, lowercase: bool) -> Tokenizer:
     """`tokenizer_from_tokens` over a (validated) vocab.txt."""
     return tokenizer_from_tokens(load_vocab(vocab_path), lowercase)
-
-
-def clean_files(clean_uri: str) -> list[str]:
-    """The clean stage's document files, sorted (so training sees the corpus in a fixed order)."""
-    files = [storage.join(clean_uri, p) for p, _ in storage.list_files(clean_uri) if p.endswith(".parquet")]
-    if not files:
-        raise StageInputError(f"no Parquet documents in {clean_uri}")
-    return files
-
-
-def iter_texts(files: list[str], batch_rows: int = 1024) -> Iterator[list[str]]:
-    """Document texts, one record batch at a time (bounded memory whatever the corpus size)."""
-    for uri in files:
-        fs, path = storage.resolve(uri)
-        try:
-            with fs.open_input_file(path) as f:
-                parquet = pq.ParquetFile(f)
-                if "text" not in parquet.schema_arrow.names:
-                    raise StageInputError(f"{uri} has no `text` column (columns: {parquet.schema_arrow.names})")
-                for batch in parquet.iter_batches(batch_size=batch_rows, columns=["text"]):
-                    yield [t for t in batch.column(0).to_pylist() if t]
-        except (OSError, pa.ArrowException) as exc:
-            raise StageInputError(f"cannot read clean documents {uri}: {exc}") from exc
 
 
 # ------------------------------------------------------------------------------------- deterministic training
@@ -278,7 +253,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     else:
         if cfg.vocab_size <= len(GOOGLE_SPECIAL_LAYOUT):
             raise ValueError(f"vocab.vocab_size={cfg.vocab_size} leaves no room beside the {len(GOOGLE_SPECIAL_LAYOUT)} special slots")
-        files = clean_files(ctx.input("clean").uri)
+        files = document_files(ctx.input("clean").uri)
         log.info("vocab: training WordPiece (target %d) on %d clean files", cfg.vocab_size, len(files))
         import ray
 
@@ -308,4 +283,5 @@ def run_stage(ctx: StageContext) -> StageResult:
         metrics=metrics,
         raw_inputs=raw_inputs,
         extra={"vocab_hash": hashlib.sha256(data).hexdigest(), "source": source, "do_lower_case": cfg.lowercase},
+        outputs=[VOCAB_FILE],
     )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def test_override_reaches_nested_field_and_keeps_types():
     assert cfg.pairs.dupe_factor == 3
     assert cfg.pairs.max_seq_lengths == (64, 128)
     assert cfg.seed == 7
-    assert cfg.clean.input == ("a.xml.bz2",)  # a single string becomes a one-element tuple
+    assert cfg.clean.input == (os.path.join(os.getcwd(), "a.xml.bz2"),)  # one string: a one-element tuple, absolute
 
 
 def test_unknown_key_is_named():

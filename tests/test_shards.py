@@ -56,19 +56,23 @@ def test_check_vocab():
         shards.check_vocab(_meta(h="b" * 64), "c" * 64, "/x")
 
 
-def test_list_shards_needs_manifest(tmp_path):
+def test_list_shards_reads_the_manifest_of_a_committed_folder_and_lists_a_bare_one(tmp_path):
     from pipeline.stage import StageResult, write_manifest
 
     schema = shards.shard_schema(30_522, 128, _meta())
     for i in (1, 0, 2):
         shards.write_shard(str(tmp_path / "seq128" / shards.train_shard_name(i)), _table(schema))
     shards.write_shard(str(tmp_path / "seq128" / "heldout.parquet"), _table(schema))
-    with pytest.raises(StageInputError, match="no committed _MANIFEST.json"):
-        shards.list_shards(str(tmp_path), 128)
+    bare, _ = shards.list_shards(str(tmp_path), 128)  # an explicit shard folder (pretrain.input) has no manifest
+    assert len(bare) == 3
     write_manifest(str(tmp_path), stage="pairs", fingerprint="f", result=StageResult(num_rows=3), config={},
                    inputs={}, started=0.0, code_version="t")
+    # A file written after the commit is not part of the committed output.
+    shards.write_shard(str(tmp_path / "seq128" / shards.train_shard_name(3)), _table(schema))
     train, held = shards.list_shards(str(tmp_path), 128)
     assert [p.rsplit("/", 1)[-1] for p in train] == ["train-00000.parquet", "train-00001.parquet", "train-00002.parquet"]
     assert held == str(tmp_path / "seq128" / "heldout.parquet")
     with pytest.raises(StageInputError, match="max_seq_length=512"):
         shards.list_shards(str(tmp_path), 512)
+    with pytest.raises(StageInputError, match="does not exist"):
+        shards.list_shards(str(tmp_path / "nowhere"), 128)
