@@ -63,7 +63,7 @@ def cmd_run(args) -> int:
         if log_path:
             print(f"bertpipe: full log, with the traceback: {log_path}", file=sys.stderr)
         print(f"bertpipe: after fixing it, resume with: {_resume_command(args, exc.stage)}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc.cause, (ConfigError, StageInputError)) else 1
     for row in summary:
         extra = f"{row['seconds']:.1f} s" if row.get("seconds") is not None else "fresh"
         print(f"{row['stage']:<9} {row['action']:<8} rows={row['rows']}  {extra}")

@@ -311,7 +311,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         glue_dir = write_sample(_join(ctx.output_uri, "smoke_glue"), seed=ctx.seed)
         log.info("finetune: no glue_data_dir, using the project's smoke sample (NOT GLUE) at %s", glue_dir)
     pretrain = ctx.input("pretrain")
-    init = pretrain.uri if pretrain.explicit else _join(pretrain.uri, "export")
+    init = pretrain.uri if pretrain.explicit else (cfg.init or _join(pretrain.uri, "export"))
     model_ref = ray.put(read_model_files(init))
     log.info("finetune: initial model %s; tasks %s", init, ", ".join(names))
 

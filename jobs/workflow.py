@@ -172,7 +172,7 @@ def _plan(cfg: RootConfig, stage: Stage, state: dict[str, tuple[dict | None, lis
         if up in explicit:
             key = dict(stage.explicit)[up]
             ids[up] = describe_tree(explicit[up], what=key)
-            inputs[up] = StageInput(up, explicit[up], None)
+            inputs[up] = StageInput(up, explicit[up], None, explicit=True)
             continue
         manifest, gone = state[up]
         if up not in will_run and (manifest is None or gone):

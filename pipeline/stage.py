@@ -31,13 +31,10 @@ class StageOutputError(RuntimeError):
 class StageInput:
     name: str
     uri: str
-    # The upstream stage's committed manifest; None when the user named this input explicitly (a vocab.txt, a
-    # shard folder, a checkpoint...) instead of taking the upstream stage's output.
+    # The upstream stage's committed manifest (None until that stage has run, or for an explicit input).
     manifest: dict[str, Any] | None
-
-    @property
-    def explicit(self) -> bool:
-        return self.manifest is None
+    # The user named this input (a vocab.txt, a shard folder, a checkpoint...) instead of the upstream output.
+    explicit: bool = False
 
 
 @dataclass

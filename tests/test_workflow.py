@@ -120,7 +120,7 @@ def test_bad_dump_commits_nothing_and_rerun_after_fix_succeeds(tmp_path, ray_loc
 
 def test_only_a_stage_without_its_inputs_is_refused(tmp_path, capsys):
     assert _run(tmp_path, "--only", "pairs") == 2
-    assert "run those stages first" in capsys.readouterr().err
+    assert "needs the committed output of clean" in capsys.readouterr().err
 
 
 def test_status_json_lists_every_stage(tmp_path, capsys):
