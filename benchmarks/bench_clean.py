@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.config import SAMPLE_DUMP
-from pipeline.dump_reader import iter_pages
-from pipeline.wikitext import strip_with_mwparser, wikitext_to_paragraphs
+from bertpipe.pipeline.config import SAMPLE_DUMP
+from bertpipe.pipeline.dump_reader import iter_pages
+from bertpipe.pipeline.wikitext import strip_with_mwparser, wikitext_to_paragraphs
 
 LEFTOVER = re.compile(r"\{\{|\}\}|\{\||\[\[|\]\]|==|<ref|Category:|File:|Image:|thumb\||^\s*[*#]", re.M)
 
@@ -105,7 +105,7 @@ def replicate_dump(src: str, dest: Path, copies: int) -> Path:
 
 _WORKER = """
 import json, resource, sys, time
-from pipeline.clean import read_and_clean_unit
+from bertpipe.pipeline.clean import read_and_clean_unit
 t = time.perf_counter()
 rows = sum(1 for _ in read_and_clean_unit({"uri": sys.argv[1], "start": -1, "end": -1}, max_page_bytes=4_000_000,
            pages_per_batch=64, min_paragraph_chars=20, min_article_chars=200, skip_disambiguation=True))
@@ -132,9 +132,9 @@ def worker_rss(dump: str, replicas: list[int], tmp: Path) -> list[dict]:
 def ray_workers(dump: str, tmp: Path, copies: int) -> list[dict]:
     import ray
 
-    from pipeline.clean import run_stage
-    from pipeline.config import CleanConfig
-    from pipeline.stage import StageContext
+    from bertpipe.pipeline.clean import run_stage
+    from bertpipe.pipeline.config import CleanConfig
+    from bertpipe.pipeline.stage import StageContext
 
     files = [replicate_dump(dump, tmp / f"part-{i}.xml.bz2", copies) for i in range(2)]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

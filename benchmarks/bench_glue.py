@@ -29,9 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from jobs.finetune_trial import TrialParams, run_trial  # noqa: E402
-from jobs.glue_metrics import compute_metrics, task_score  # noqa: E402
-from jobs.glue_tasks import TASKS, TaskData, read_task  # noqa: E402
+from bertpipe.jobs.finetune.trial import TrialParams, run_trial  # noqa: E402
+from bertpipe.jobs.finetune.glue_metrics import compute_metrics, task_score  # noqa: E402
+from bertpipe.jobs.finetune.glue_tasks import TASKS, TaskData, read_task  # noqa: E402
 
 GLUE = REPO.parent / "shared" / "data" / "glue"
 
@@ -107,8 +107,8 @@ def fanout(model: Path, data: TaskData, p: TrialParams, concurrency: int) -> flo
     """Wall time of 4 trials (4 learning rates) on a 2-CPU local Ray, `concurrency` at a time, 1 CPU each."""
     import ray
 
-    from jobs.finetune import read_model_files, run_trials
-    from jobs.finetune_config import FinetuneConfig
+    from bertpipe.jobs.finetune.stage import read_model_files, run_trials
+    from bertpipe.jobs.finetune.config import FinetuneConfig
 
     cfg = FinetuneConfig(cpus_per_trial=1, max_concurrent_trials=concurrency)
     files, ref = ray.put(read_model_files(str(model))), ray.put(data)

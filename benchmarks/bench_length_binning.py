@@ -30,8 +30,8 @@ SAMPLE = REPO / "data" / "sample" / "enwiki-latest-pages-articles1.xml-p00000001
 def build_pairs(workdir: Path) -> Path:
     import ray
 
-    from jobs import workflow
-    from jobs.config import load_config
+    from bertpipe.jobs import workflow
+    from bertpipe.jobs.config import load_config
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -47,7 +47,7 @@ def read_rows(pairs: Path, L: int) -> tuple[dict[str, np.ndarray], list[str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.shards import list_shards
+    from bertpipe.pipeline.shards import list_shards
 
     files, _ = list_shards(str(pairs), L)
     table = pa.concat_tables([pq.read_table(f) for f in files])
@@ -75,10 +75,10 @@ def main() -> None:
 
     import torch
 
-    from jobs.length_binning import length_binned, padding_fraction, row_lengths
-    from jobs.masking import MaskingSpec, batch_rng, collate
-    from jobs.pretrain_config import PretrainConfig
-    from model import BertConfig, BertForPreTraining
+    from bertpipe.jobs.pretrain.length_binning import length_binned, padding_fraction, row_lengths
+    from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.config import PretrainConfig
+    from bertpipe.model import BertConfig, BertForPreTraining
 
     window = args.window or PretrainConfig().length_bin_window
     torch.set_num_threads(args.threads)

@@ -28,7 +28,7 @@ def worker(impl: str, size: str, batch: int, seq: int, max_pred: int, steps: int
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from gpu_model_bench import make_batch  # the same synthetic batch as the GPU benchmark
-    from model import BertConfig, BertForPreTraining
+    from bertpipe.model import BertConfig, BertForPreTraining
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

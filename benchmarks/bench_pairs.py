@@ -39,10 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from pipeline.instances import derive_seed  # noqa: E402
-from pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
-from pipeline.sentences import split_sentences  # noqa: E402
-from pipeline.vocab import MAX_CHARS_PER_WORD, load_vocab, make_tokenizer  # noqa: E402
+from bertpipe.pipeline.instances import derive_seed  # noqa: E402
+from bertpipe.pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
+from bertpipe.pipeline.sentences import split_sentences  # noqa: E402
+from bertpipe.pipeline.vocab import MAX_CHARS_PER_WORD, load_vocab, make_tokenizer  # noqa: E402
 
 
 # ------------------------------------------------- (a) the original tokenizer: pure-Python basic + WordPiece
@@ -240,7 +240,7 @@ def load_corpus(clean_dir: str | None, tmp: Path) -> tuple[list[str], str, str]:
         files = sorted(Path(clean_dir).glob("*.parquet"))
         return [t for f in files for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()], clean_dir, clean_dir
     from _clean_docs import crude_docs, write_clean_folder
-    from pipeline.sample import fetch_sample
+    from bertpipe.pipeline.sample import fetch_sample
 
     dump = fetch_sample(REPO / "data" / "sample")["enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"]
     docs = crude_docs(dump)
@@ -269,9 +269,9 @@ def time_ray_stage(clean_dir: str, vocab: str, seq: int, dupe: int, tmp: Path) -
     """(ray.init seconds, run_stage wall seconds, metrics) of the whole `pairs` stage on local Ray."""
     import ray
 
-    from pipeline import pairs
-    from pipeline.config import PairsConfig
-    from pipeline.stage import StageContext, StageInput
+    from bertpipe.pipeline import pairs
+    from bertpipe.pipeline.config import PairsConfig
+    from bertpipe.pipeline.stage import StageContext, StageInput
 
     t0 = time.perf_counter()
     ray.init(include_dashboard=False, log_to_driver=False,

@@ -30,8 +30,8 @@ def main() -> None:
     import ray
     from mlflow.tracking import MlflowClient
 
-    from jobs.pretrain import run_stage
-    from jobs.pretrain_config import ModelConfig, PhaseConfig
+    from bertpipe.jobs.pretrain.stage import run_stage
+    from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig
     from pretrain_helpers import context, make_inputs, tiny_config
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import BertConfig, BertForPreTraining  # noqa: E402
+from bertpipe.model import BertConfig, BertForPreTraining  # noqa: E402
 
 
 def sync(device: str) -> None:

@@ -35,8 +35,8 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("no CUDA GPU: this benchmark needs one")
-    from jobs.pretrain import run_stage
-    from jobs.pretrain_config import ModelConfig, PhaseConfig, PretrainConfig
+    from bertpipe.jobs.pretrain.stage import run_stage
+    from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
     import pretrain_helpers as h
 
     vocab = h.SPECIALS + [f"w{i}" for i in range(30_522 - len(h.SPECIALS))]

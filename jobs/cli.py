@@ -9,8 +9,8 @@ import shlex
 import sys
 import time
 
-from jobs.configtools import ConfigError
-from pipeline.stage import StageInputError
+from bertpipe.jobs.configtools import ConfigError
+from bertpipe.pipeline.stage import StageInputError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from jobs.config import load_config
+    from bertpipe.jobs.config import load_config
 
     return load_config(args.config, args.overrides, args.workdir)
 
@@ -49,7 +49,7 @@ def _resume_command(args, stage: str) -> str:
 
 
 def cmd_run(args) -> int:
-    from jobs import workflow
+    from bertpipe.jobs import workflow
 
     cfg = _config(args)
     only = [s for part in (args.only or []) for s in part.split(",") if s]
@@ -71,7 +71,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from jobs import workflow
+    from bertpipe.jobs import workflow
 
     rows = workflow.status(_config(args))
     if args.json:
@@ -88,7 +88,7 @@ def cmd_status(args) -> int:
 def cmd_fetch_sample(args) -> int:
     from pathlib import Path
 
-    from pipeline.sample import fetch_sample
+    from bertpipe.pipeline.sample import fetch_sample
 
     for name, path in fetch_sample(Path(args.dest)).items():
         print(f"{path}  ({path.stat().st_size:,} bytes)")
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fetch_sample)
 
     try:
-        from jobs import submit
+        from bertpipe.jobs import submit
         submit.add_parsers(sub)
     except ImportError:
         pass

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths, to_dict
-from jobs.finetune_config import FinetuneConfig
-from jobs.pretrain_config import ModelConfig, PretrainConfig, validate
-from pipeline.config import CleanConfig, PairsConfig, VocabConfig, path_field
+from bertpipe.jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths, to_dict
+from bertpipe.jobs.finetune.config import FinetuneConfig
+from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, validate
+from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, path_field
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ import tempfile
 import time
 from typing import Any
 
-from jobs.configtools import to_dict
+from bertpipe.jobs.configtools import to_dict
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for one param value
 

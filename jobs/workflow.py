@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
-from jobs.configtools import stable_hash, to_dict
-from jobs.tracking import WorkflowTracker
-from pipeline import storage
-from pipeline.identity import describe_tree
-from pipeline.stage import (SCHEMA_VERSION, StageContext, StageInput, StageInputError, missing_outputs,
+from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
+from bertpipe.jobs.configtools import stable_hash, to_dict
+from bertpipe.jobs.tracking import WorkflowTracker
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.identity import describe_tree
+from bertpipe.pipeline.stage import (SCHEMA_VERSION, StageContext, StageInput, StageInputError, missing_outputs,
                             read_manifest, write_manifest)
 
 log = logging.getLogger("bertpipe")
@@ -43,15 +43,15 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("clean", ("clean",), (), "pipeline.clean:run_stage", "pipeline.clean:describe_raw_inputs"),
-    Stage("vocab", ("vocab",), ("clean",), "pipeline.vocab:run_stage", "pipeline.vocab:describe_raw_inputs",
+    Stage("clean", ("clean",), (), "bertpipe.pipeline.clean:run_stage", "bertpipe.pipeline.clean:describe_raw_inputs"),
+    Stage("vocab", ("vocab",), ("clean",), "bertpipe.pipeline.vocab:run_stage", "bertpipe.pipeline.vocab:describe_raw_inputs",
           explicit=(("clean", "vocab.input"),)),
-    Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "pipeline.pairs:run_stage",
+    Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.pairs:run_stage",
           explicit=(("clean", "pairs.input"), ("vocab", "vocab.path"))),
-    Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "jobs.pretrain:run_stage",
-          explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")), check="jobs.pretrain:preflight"),
-    Stage("finetune", ("finetune",), ("pretrain",), "jobs.finetune:run_stage", "jobs.finetune:describe_raw_inputs",
-          explicit=(("pretrain", "finetune.init"),), check="jobs.finetune:preflight"),
+    Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
+          explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")), check="bertpipe.jobs.pretrain.stage:preflight"),
+    Stage("finetune", ("finetune",), ("pretrain",), "bertpipe.jobs.finetune.stage:run_stage", "bertpipe.jobs.finetune.stage:describe_raw_inputs",
+          explicit=(("pretrain", "finetune.init"),), check="bertpipe.jobs.finetune.stage:preflight"),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -188,7 +188,7 @@ def _plan(cfg: RootConfig, stage: Stage, state: dict[str, tuple[dict | None, lis
 def preflight(cfg: RootConfig, selected: list[str]) -> dict[str, Plan]:
     """Check every selected stage's inputs before anything runs; StageInputError / ValueError on the first problem."""
     if "pretrain" in selected and not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
-        from jobs.pretrain import check_resources
+        from bertpipe.jobs.pretrain.stage import check_resources
 
         # The local Ray this run will start has ray.num_cpus CPUs: refuse a layout that would hang on it now.
         check_resources(cfg.pretrain, {"CPU": cfg.ray.num_cpus, "GPU": cfg.pretrain.num_workers})
@@ -298,7 +298,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, tracker: WorkflowTracker, force: b
 
 
 def _run_stage(cfg: RootConfig, plan: Plan, fp: str, tracker: WorkflowTracker, run_id: str) -> dict[str, Any]:
-    from jobs.raycluster import ensure_ray
+    from bertpipe.jobs.cluster import ensure_ray
 
     stage = plan.stage
     uri = stage_uri(cfg, stage.name)

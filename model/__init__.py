@@ -1,10 +1,10 @@
 """BERT in plain PyTorch: config presets, encoder, heads, Hugging Face / Google checkpoint import-export.
 No Ray, no DeepSpeed, no I/O beyond checkpoint files."""
 
-from model.bert import (BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
+from bertpipe.model.bert import (BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
                         BertForTokenClassification, BertModel, PreTrainingOutput)
-from model.checkpoint import hf_state_dict, load_google_tf_arrays, load_pretrained, save_pretrained
-from model.config import PRESETS, BertConfig
+from bertpipe.model.checkpoint import hf_state_dict, load_google_tf_arrays, load_pretrained, save_pretrained
+from bertpipe.model.config import PRESETS, BertConfig
 
 __all__ = ["BertConfig", "PRESETS", "BertModel", "BertForPreTraining", "PreTrainingOutput",
            "BertForSequenceClassification", "BertForTokenClassification", "BertForQuestionAnswering",

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from model.config import BertConfig
+from bertpipe.model.config import BertConfig
 
 IGNORE_INDEX = -100  # label value of positions that carry no loss (as torch's cross_entropy default)
 

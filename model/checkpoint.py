@@ -28,9 +28,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from model.bert import (BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
+from bertpipe.model.bert import (BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
                         BertForTokenClassification, BertModel)
-from model.config import BertConfig
+from bertpipe.model.config import BertConfig
 
 log = logging.getLogger(__name__)
 

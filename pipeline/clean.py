@@ -17,12 +17,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import storage
-from pipeline.config import CleanConfig
-from pipeline.identity import describe_file
-from pipeline.dump_reader import ReadUnit, expand_inputs, iter_pages, plan_units
-from pipeline.stage import StageContext, StageInputError, StageResult
-from pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.config import CleanConfig
+from bertpipe.pipeline.identity import describe_file
+from bertpipe.pipeline.dump_reader import ReadUnit, expand_inputs, iter_pages, plan_units
+from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
 
 log = logging.getLogger(__name__)
 

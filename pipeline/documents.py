@@ -14,8 +14,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import storage
-from pipeline.stage import StageInputError
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.stage import StageInputError
 
 TEXT_SUFFIXES = (".txt",)
 

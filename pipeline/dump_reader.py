@@ -23,7 +23,7 @@ from typing import Iterator
 
 import smart_open
 
-from pipeline.stage import StageInputError
+from bertpipe.pipeline.stage import StageInputError
 
 CHUNK_BYTES = 1 << 20
 _INDEX_SUFFIXES = ("-index.txt.bz2", "-index.txt")

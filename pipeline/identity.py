@@ -16,8 +16,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from pipeline import storage
-from pipeline.stage import StageInputError
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.stage import StageInputError
 
 log = logging.getLogger(__name__)
 

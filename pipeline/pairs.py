@@ -21,13 +21,13 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from pipeline import shards, storage
-from pipeline.config import PairsConfig, VocabConfig
-from pipeline.instances import PairStats, create_spans, derive_seed, gather_instances
-from pipeline.sentences import split_sentences
-from pipeline.stage import StageContext, StageInputError, StageResult
-from pipeline.documents import document_files, read_documents
-from pipeline.vocab import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
+from bertpipe.pipeline import shards, storage
+from bertpipe.pipeline.config import PairsConfig, VocabConfig
+from bertpipe.pipeline.instances import PairStats, create_spans, derive_seed, gather_instances
+from bertpipe.pipeline.sentences import split_sentences
+from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.documents import document_files, read_documents
+from bertpipe.pipeline.vocab import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
 
 log = logging.getLogger(__name__)
 

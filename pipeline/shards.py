@@ -22,8 +22,8 @@ import posixpath
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import storage
-from pipeline.stage import StageInputError, read_manifest
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.stage import StageInputError, read_manifest
 
 SHARD_SCHEMA_VERSION = 1
 META_KEY = b"bertpipe"

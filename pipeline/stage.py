@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pipeline import storage
+from bertpipe.pipeline import storage
 
 MANIFEST_NAME = "_MANIFEST.json"
 SCHEMA_VERSION = 1

@@ -19,10 +19,10 @@ import numpy as np
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from pipeline import storage
-from pipeline.config import VocabConfig
-from pipeline.documents import document_files, iter_texts
-from pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.config import VocabConfig
+from bertpipe.pipeline.documents import document_files, iter_texts
+from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger(__name__)
 

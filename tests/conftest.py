@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def sample_dumps() -> dict[str, Path]:
     """The three real sample dumps from the gensim 4.4.0 wheel (downloaded once by `bertpipe fetch-sample`)."""
-    from pipeline.sample import fetch_sample
+    from bertpipe.pipeline.sample import fetch_sample
 
     return {name: path.resolve() for name, path in fetch_sample(REPO / "data" / "sample").items()}
 
@@ -51,8 +51,8 @@ def real_pairs(tmp_path_factory, ray_local, enwiki_sample) -> Path:
     sample, sized for fast pre-training tests: seq 64 shards only, a 4,000-piece vocabulary, two passes. The
     held-out share is 10% (13 of the 97 articles, ~1,500 instances) instead of 2% (3 articles, ~550): enough to
     measure MLM accuracy to a point, and not just the vocabulary of three articles."""
-    from jobs import workflow
-    from jobs.config import load_config
+    from bertpipe.jobs import workflow
+    from bertpipe.jobs.config import load_config
 
     workdir = tmp_path_factory.mktemp("real_pairs")
     overrides = [f"clean.input=[{enwiki_sample}]", "vocab.vocab_size=4000", "pairs.max_seq_lengths=[64]",

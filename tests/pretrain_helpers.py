@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from jobs.pretrain_config import ModelConfig, PhaseConfig, PretrainConfig
-from pipeline.shards import seq_dir, shard_meta, shard_schema, train_shard_name, write_shard
-from pipeline.stage import StageContext, StageInput, StageResult, read_manifest, write_manifest
-from pipeline.vocab import vocab_hash
+from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
+from bertpipe.pipeline.shards import seq_dir, shard_meta, shard_schema, train_shard_name, write_shard
+from bertpipe.pipeline.stage import StageContext, StageInput, StageResult, read_manifest, write_manifest
+from bertpipe.pipeline.vocab import vocab_hash
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 NUM_WORDS = 40

@@ -76,7 +76,7 @@ def test_finetune_init_must_be_a_bert_checkpoint(tmp_path):
 
 
 def _tiny_checkpoint(folder: Path) -> Path:
-    from model import BertConfig, BertForPreTraining, save_pretrained
+    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
 
     vocab = folder.parent / "vocab-src.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]) + "\n")

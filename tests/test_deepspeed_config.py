@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from jobs.deepspeed_config import deepspeed_config
-from jobs.pretrain_config import PhaseConfig, PretrainConfig, validate
-from jobs.pretrain_optim import Lamb, LrSchedule, param_groups
+from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, validate
+from bertpipe.jobs.pretrain.optim import Lamb, LrSchedule, param_groups
 
 
 def test_json_per_zero_stage_and_accumulation():

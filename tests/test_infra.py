@@ -209,7 +209,7 @@ def test_gpu_worker_groups_request_gpus_and_tell_ray():
 
 
 def test_rayjob_entrypoint_is_the_cli_with_a_valid_config():
-    from jobs.config import load_config
+    from bertpipe.jobs.config import load_config
 
     spec = load("kuberay/rayjob.yaml")["spec"]
     argv = shlex.split(spec["entrypoint"])

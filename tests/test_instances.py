@@ -12,9 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs  # noqa: E402
 
-from pipeline.instances import _truncate_pair, create_spans, gather_instances  # noqa: E402
-from pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
-from pipeline.vocab import make_tokenizer  # noqa: E402
+from bertpipe.pipeline.instances import _truncate_pair, create_spans, gather_instances  # noqa: E402
+from bertpipe.pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
+from bertpipe.pipeline.vocab import make_tokenizer  # noqa: E402
 
 CLS, SEP = 101, 102
 
@@ -40,7 +40,7 @@ def _pairs(corpus, seq=61, dupe=3, seed=7):
 
 def test_encode_documents_matches_plain_tokenizer(enwiki_sample, google_vocab):
     """The ASCII fast path and the batching give exactly the ids of one full `encode` per sentence."""
-    from pipeline.sentences import split_sentences
+    from bertpipe.pipeline.sentences import split_sentences
 
     docs = crude_docs(enwiki_sample)[:23] + [{"text": "Ça coûte 3 € à Zürich.\nＴｅｓｔ 東京 naïve café."}]
     texts = [d["text"] for d in docs]

@@ -13,9 +13,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import clean_folder  # noqa: E402
 
-from pipeline import shards  # noqa: E402
-from pipeline.config import PairsConfig, VocabConfig  # noqa: E402
-from pipeline.stage import StageContext, StageInput, read_manifest, write_manifest  # noqa: E402
+from bertpipe.pipeline import shards  # noqa: E402
+from bertpipe.pipeline.config import PairsConfig, VocabConfig  # noqa: E402
+from bertpipe.pipeline.stage import StageContext, StageInput, read_manifest, write_manifest  # noqa: E402
 
 
 def _run(module, name, out, config, inputs, seed=12345):
@@ -30,7 +30,7 @@ def _run(module, name, out, config, inputs, seed=12345):
 
 @pytest.fixture(scope="module")
 def built(ray_local, enwiki_sample, tmp_path_factory):
-    from pipeline import pairs, vocab
+    from bertpipe.pipeline import pairs, vocab
 
     tmp = tmp_path_factory.mktemp("pairs")
     clean, source = clean_folder(enwiki_sample, tmp, ray_ok=True)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs.pretrain import run_stage
-from jobs.pretrain_config import PhaseConfig
-from pipeline.stage import StageInputError
+from bertpipe.jobs.pretrain.stage import run_stage
+from bertpipe.jobs.pretrain.config import PhaseConfig
+from bertpipe.pipeline.stage import StageInputError
 from pretrain_helpers import SPECIALS, TOKENS, context, make_inputs, tiny_config
 
 pytestmark = pytest.mark.integration

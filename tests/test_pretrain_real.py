@@ -17,11 +17,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.masking import MaskingSpec
-from jobs.pretrain import run_stage
-from jobs.pretrain_config import ModelConfig, PhaseConfig, PretrainConfig
-from pipeline.stage import StageContext, StageInput, read_manifest
-from pipeline.vocab import load_vocab, vocab_file
+from bertpipe.jobs.pretrain.masking import MaskingSpec
+from bertpipe.jobs.pretrain.stage import run_stage
+from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
+from bertpipe.pipeline.stage import StageContext, StageInput, read_manifest
+from bertpipe.pipeline.vocab import load_vocab, vocab_file
 
 pytestmark = pytest.mark.integration
 

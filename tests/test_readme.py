@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cli import build_parser
+from bertpipe.jobs.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", REPO / "infra" / "README.md"]

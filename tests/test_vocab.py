@@ -10,9 +10,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs, write_clean_folder  # noqa: E402
 
-from pipeline.config import VocabConfig  # noqa: E402
-from pipeline.stage import StageContext, StageInput, StageInputError  # noqa: E402
-from pipeline.vocab import (SPECIAL_TOKENS, continuation_pieces, count_raw_chars, load_vocab,  # noqa: E402
+from bertpipe.pipeline.config import VocabConfig  # noqa: E402
+from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError  # noqa: E402
+from bertpipe.pipeline.vocab import (SPECIAL_TOKENS, continuation_pieces, count_raw_chars, load_vocab,  # noqa: E402
                             make_tokenizer, run_stage, special_ids, training_alphabet, vocab_hash)
 
 

@@ -9,15 +9,15 @@ import shutil
 
 import pytest
 
-from jobs.cli import main
-from pipeline.stage import read_manifest
+from bertpipe.jobs.cli import main
+from bertpipe.pipeline.stage import read_manifest
 
 pytestmark = pytest.mark.integration
 
 
 def _status(workdir, *overrides):
-    from jobs import workflow
-    from jobs.config import load_config
+    from bertpipe.jobs import workflow
+    from bertpipe.jobs.config import load_config
 
     return {r["stage"]: r for r in workflow.status(load_config("tiny", list(overrides), str(workdir)))}
 

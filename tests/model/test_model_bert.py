@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (PRESETS, BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel,
+from bertpipe.model import (PRESETS, BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel,
                    hf_state_dict)
-from model.bert import BertForQuestionAnswering, BertForTokenClassification
+from bertpipe.model.bert import BertForQuestionAnswering, BertForTokenClassification
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from model import (BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel, hf_state_dict,
+from bertpipe.model import (BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel, hf_state_dict,
                    load_pretrained, save_pretrained)
-from model.bert import BertForQuestionAnswering, BertForTokenClassification
-from model.checkpoint import load_google_tf_arrays
+from bertpipe.model.bert import BertForQuestionAnswering, BertForTokenClassification
+from bertpipe.model.checkpoint import load_google_tf_arrays
 
 transformers = pytest.importorskip("transformers")
 

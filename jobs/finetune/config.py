@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import path_field
+from bertpipe.pipeline.config import path_field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +53,7 @@ class FinetuneConfig:
             raise ValueError(f"finetune.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
         if self.max_seq_length < 8:
             raise ValueError(f"finetune.max_seq_length must be >= 8, got {self.max_seq_length}")
-        from jobs.glue_tasks import get_task
+        from bertpipe.jobs.finetune.glue_tasks import get_task
 
         for task in self.tasks:
             get_task(task)  # unknown name → ValueError listing the nine

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from jobs.deepspeed_config import deepspeed_config
-from jobs.length_binning import length_binned
-from jobs.masking import MaskingSpec, batch_rng, collate
-from jobs.pretrain_config import ModelConfig, PretrainConfig
-from jobs.pretrain_optim import make_optimizer, make_scheduler, param_groups
+from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.length_binning import length_binned
+from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig
+from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler, param_groups
 
 log = logging.getLogger("bertpipe.pretrain")
 CKPT_TAG = "ckpt"
@@ -36,7 +36,7 @@ def _seed_of(*parts: int) -> int:
 
 
 def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
-    from model import BertConfig, BertForPreTraining
+    from bertpipe.model import BertConfig, BertForPreTraining
 
     bert_cfg = BertConfig.preset(model_cfg.preset, vocab_size=vocab_size,
                                  activation_checkpointing=model_cfg.activation_checkpointing,
@@ -144,7 +144,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # worker dies right after reporting) still finds it there. Rank 0 decides so that every rank loads the same.
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        from jobs.pretrain import latest_checkpoint
+        from bertpipe.jobs.pretrain.stage import latest_checkpoint
 
         found = [latest_checkpoint(config["storage_path"], config["run_name"], cfg) if rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
@@ -277,8 +277,8 @@ def _export(engine, config: dict, cfg: PretrainConfig, rank: int, tracker: _Trac
     import deepspeed
     import pyarrow.fs as pafs
 
-    from model import save_pretrained
-    from pipeline import storage
+    from bertpipe.model import save_pretrained
+    from bertpipe.pipeline import storage
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None,
                                            enabled=cfg.zero_stage == 3):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.pretrain_config import PhaseConfig, PretrainConfig
+from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
 
 
 def resolved_precision(cfg: PretrainConfig) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pipeline.config import path_field
+from bertpipe.pipeline.config import path_field
 
 MODEL_PRESETS = ("tiny", "mini", "base", "large")
 

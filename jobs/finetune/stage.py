@@ -23,12 +23,12 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.finetune_config import FinetuneConfig
-from jobs.finetune_trial import TrialParams, TrialResult, run_trial
-from jobs.glue_metrics import GLUE_TASKS, bert_paper_average, glue_score
-from jobs.glue_sample import write_sample
-from jobs.glue_tasks import TASKS, TaskSpec, file_exists, get_task, read_task, task_present
-from pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.jobs.finetune.config import FinetuneConfig
+from bertpipe.jobs.finetune.trial import TrialParams, TrialResult, run_trial
+from bertpipe.jobs.finetune.glue_metrics import GLUE_TASKS, bert_paper_average, glue_score
+from bertpipe.jobs.finetune.glue_sample import write_sample
+from bertpipe.jobs.finetune.glue_tasks import TASKS, TaskSpec, file_exists, get_task, read_task, task_present
+from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.finetune")
 
@@ -118,7 +118,7 @@ def check_checkpoint(uri: str) -> None:
 
 
 def _folder_exists(uri: str) -> bool:
-    from pipeline import storage
+    from bertpipe.pipeline import storage
 
     return storage.exists(uri)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jobs.pretrain_config import PretrainConfig
+from bertpipe.jobs.pretrain.config import PretrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -19,8 +19,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from jobs.glue_metrics import compute_metrics, task_score
-from jobs.glue_tasks import Examples, TaskData
+from bertpipe.jobs.finetune.glue_metrics import compute_metrics, task_score
+from bertpipe.jobs.finetune.glue_tasks import Examples, TaskData
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +130,7 @@ def predict(model, enc: Encoded, batch_size: int, is_regression: bool, device: s
 def run_trial(model_dir: str | Path, data: TaskData, p: TrialParams,
               on_epoch: Callable[[int, dict[str, float]], None] | None = None) -> TrialResult:
     """Fine-tune the BERT in `model_dir` (HF layout) on `data` with the hyper-parameters `p`."""
-    from model import BertForSequenceClassification, load_pretrained
+    from bertpipe.model import BertForSequenceClassification, load_pretrained
 
     torch.set_num_threads(p.num_threads)
     spec = data.spec

@@ -20,12 +20,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from jobs.configtools import stable_hash, to_dict
-from jobs.deepspeed_config import deepspeed_config
-from jobs.pretrain_config import ModelConfig, PretrainConfig, validate
-from jobs.pretrain_loop import train_loop_per_worker
-from pipeline import storage
-from pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.jobs.configtools import stable_hash, to_dict
+from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, validate
+from bertpipe.jobs.pretrain.loop import train_loop_per_worker
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
 COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
@@ -47,7 +47,7 @@ def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
 
 def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
     """Rows of one shard after checking it is readable, built with our vocabulary and for this length."""
-    from pipeline.shards import check_vocab, read_shard_meta
+    from bertpipe.pipeline.shards import check_vocab, read_shard_meta
 
     if not storage.exists(uri):
         raise StageInputError(f"shard {uri} is missing")
@@ -71,8 +71,8 @@ def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
 
 def preflight(ctx: StageContext) -> None:
     """Before anything runs: explicit shards and vocabulary exist, carry this vocabulary and cover every phase."""
-    from pipeline.shards import list_shards
-    from pipeline.vocab import load_vocab, vocab_file, vocab_hash
+    from bertpipe.pipeline.shards import list_shards
+    from bertpipe.pipeline.vocab import load_vocab, vocab_file, vocab_hash
 
     cfg: PretrainConfig = ctx.config["pretrain"]
     vocab, pairs = ctx.input("vocab"), ctx.input("pairs")
@@ -111,7 +111,7 @@ def latest_checkpoint(storage_path: str, name: str, cfg: PretrainConfig) -> str 
     Ray Train V2 restores a rerun with the same (storage_path, name) from its snapshot, but a run that died
     right after reporting may not have written the snapshot yet; scanning the folders (a checkpoint counts once
     every rank's DeepSpeed files and our position.json are there) makes the rerun resume in that case too."""
-    from jobs.pretrain_loop import CKPT_TAG, STATE_FILE
+    from bertpipe.jobs.pretrain.loop import CKPT_TAG, STATE_FILE
 
     run_dir = storage.join(storage_path, name)
     if not storage.exists(run_dir):
@@ -141,7 +141,7 @@ def latest_checkpoint(storage_path: str, name: str, cfg: PretrainConfig) -> str 
 def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dict[str, Any], dict[str, int]]:
     import ray.data
 
-    from pipeline.shards import list_shards
+    from bertpipe.pipeline.shards import list_shards
 
     datasets, rows = {}, {}
     for phase, steps in zip(cfg.phases, cfg.phase_steps()):
@@ -167,7 +167,7 @@ def _log_run_config(ctx: StageContext, ds_json: dict[str, Any]) -> None:
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
-    from jobs.tracking import flatten
+    from bertpipe.jobs.tracking import flatten
 
     client = MlflowClient(ctx.tracking["tracking_uri"])
     run_id = ctx.tracking["run_id"]
@@ -186,7 +186,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
-    from pipeline.vocab import load_vocab, vocab_file, vocab_hash
+    from bertpipe.pipeline.vocab import load_vocab, vocab_file, vocab_hash
 
     started = time.time()
     model_cfg: ModelConfig = ctx.config["model"]

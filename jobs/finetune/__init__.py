@@ -1,0 +1,1 @@
+"""GLUE fine-tuning: one trial per (task x learning rate x seed), fanned out as Ray tasks."""
