@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from bertpipe.jobs.finetune.config import FinetuneConfig  # noqa: E402
 from bertpipe.jobs.finetune.trial import TrialParams, run_trial  # noqa: E402
 from bertpipe.jobs.finetune.glue_metrics import compute_metrics, task_score  # noqa: E402
 from bertpipe.jobs.finetune.glue_tasks import TASKS, TaskData, read_task  # noqa: E402
@@ -78,18 +79,18 @@ def run_hf(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
     net = BertForSequenceClassification.from_pretrained(str(model), num_labels=spec.num_labels)
 
     def features(ex):
-        enc = tok(ex.text_a, ex.text_b, truncation="longest_first", max_length=p.max_seq_length)
+        enc = tok(ex.text_a, ex.text_b, truncation="longest_first", max_length=p.recipe.max_seq_length)
         rows = [{k: enc[k][i] for k in ("input_ids", "token_type_ids", "attention_mask")} for i in range(len(ex))]
         for row, y in zip(rows, ex.labels):
             row["labels"] = float(y) if spec.is_regression else int(y)
         return rows
 
-    total = math.ceil(len(data.train) / p.batch_size) * p.num_epochs
+    total = math.ceil(len(data.train) / p.recipe.batch_size) * p.recipe.num_epochs
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=p.batch_size, per_device_eval_batch_size=p.eval_batch_size,
-            learning_rate=p.learning_rate, num_train_epochs=p.num_epochs, warmup_steps=int(total * p.warmup_proportion),
-            weight_decay=p.weight_decay, adam_epsilon=p.adam_epsilon, max_grad_norm=p.max_grad_norm,
+            output_dir=out, per_device_train_batch_size=p.recipe.batch_size, per_device_eval_batch_size=p.recipe.eval_batch_size,
+            learning_rate=p.learning_rate, num_train_epochs=p.recipe.num_epochs, warmup_steps=int(total * p.recipe.warmup_proportion),
+            weight_decay=p.recipe.weight_decay, adam_epsilon=p.recipe.adam_epsilon, max_grad_norm=p.recipe.max_grad_norm,
             lr_scheduler_type="linear", seed=p.seed, use_cpu=True, report_to="none", save_strategy="no",
             eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
         trainer = Trainer(model=net, args=args, train_dataset=features(data.train),
@@ -107,15 +108,18 @@ def fanout(model: Path, data: TaskData, p: TrialParams, concurrency: int) -> flo
     """Wall time of 4 trials (4 learning rates) on a 2-CPU local Ray, `concurrency` at a time, 1 CPU each."""
     import ray
 
-    from bertpipe.jobs.finetune.stage import read_model_files, run_trials
-    from bertpipe.jobs.finetune.config import FinetuneConfig
+    from bertpipe.jobs.finetune.report import TaskOutcome
+    from bertpipe.jobs.finetune.stage import Trial, read_model_files, run_trials
+    from bertpipe.jobs.tracking import RunLogger
 
-    cfg = FinetuneConfig(cpus_per_trial=1, max_concurrent_trials=concurrency)
+    cfg = dataclasses.replace(p.recipe, cpus_per_trial=1, max_concurrent_trials=concurrency)
     files, ref = ray.put(read_model_files(str(model))), ray.put(data)
-    jobs = [(f"lr={lr}", (files, ref, TrialParams(**{**p.__dict__, "learning_rate": lr, "num_threads": 1}), {}, ""))
-            for lr in (5e-5, 4e-5, 3e-5, 2e-5)]
+    outcome = TaskOutcome(data.spec, "ok")
+    trials = [Trial(f"lr={lr}", outcome, RunLogger(None),
+                    (files, ref, dataclasses.replace(p, learning_rate=lr, recipe=cfg), {}))
+              for lr in (5e-5, 4e-5, 3e-5, 2e-5)]
     t0 = time.perf_counter()
-    results = run_trials(jobs, cfg)
+    results = run_trials(trials, cfg)
     assert not any(isinstance(r, BaseException) for r in results), results
     return time.perf_counter() - t0
 
@@ -141,7 +145,8 @@ def main() -> None:
         sys.exit(f"real GLUE data not found at {GLUE}")
     model = minilm_dir()
     seeds = [int(s) for s in args.seeds.split(",")]
-    p = TrialParams(learning_rate=args.lr, seed=seeds[0], num_epochs=args.epochs, num_threads=args.threads)
+    p = TrialParams(learning_rate=args.lr, seed=seeds[0],
+                    recipe=FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads))
     print(f"model {model}\n{args.train} train examples, {args.epochs} epoch, lr {args.lr}, batch 32, seq 128, "
           f"seeds {seeds}, {args.threads} torch threads, torch {torch.__version__}")
     print("| task | dev rows | ours score | HF Trainer score | ours wall s | HF wall s | ours CPU s | HF CPU s |")

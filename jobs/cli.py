@@ -10,6 +10,7 @@ import sys
 import time
 
 from bertpipe.jobs.configtools import ConfigError
+from bertpipe.pipeline.paths import WorkdirPaths
 from bertpipe.pipeline.stage import StageInputError
 
 
@@ -30,7 +31,7 @@ def _log_file(workdir: str) -> str:
     """Every run also logs, with tracebacks, to <workdir>/logs/run-<time>.log (local workdirs)."""
     if "://" in workdir:
         return ""
-    path = os.path.join(workdir, "logs", time.strftime("run-%Y%m%d-%H%M%S.log"))
+    path = os.path.join(WorkdirPaths(workdir).logs, time.strftime("run-%Y%m%d-%H%M%S.log"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

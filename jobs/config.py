@@ -13,6 +13,7 @@ from bertpipe.jobs.configtools import ConfigError, apply_overrides, from_dict, l
 from bertpipe.jobs.finetune.config import FinetuneConfig
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, validate
 from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, path_field
+from bertpipe.pipeline.paths import WorkdirPaths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +95,7 @@ def resolved_tracking_uri(cfg: RootConfig) -> str:
         return uri
     if "://" in cfg.workdir:
         return ""  # no sensible local default for a remote workdir: track only when told where
-    return "sqlite:///" + os.path.join(cfg.workdir, "mlflow.db")
+    return "sqlite:///" + WorkdirPaths(cfg.workdir).mlflow_db
 
 
 def config_as_dict(cfg: RootConfig) -> dict[str, Any]:

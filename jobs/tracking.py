@@ -1,11 +1,14 @@
-"""MLflow for a workflow run: one parent run, one nested run per stage, manifests as artifacts.
+"""MLflow, all of it: the only module of the project that calls MLflow.
 
-Everything goes through an explicit `MlflowClient(tracking_uri)` (never the fluent global state), so the same
-coordinates can be handed to Ray workers, which log into the stage's run themselves.
+Everything goes through an explicit `MlflowClient(tracking_uri)`, never the fluent global state, so the same
+coordinates ({tracking_uri, experiment_id, run_id}) can be handed to Ray tasks and Train workers, which log into
+their run themselves with a `RunLogger`. A workflow run is one parent run, one nested run per stage; fine-tuning
+nests a run per GLUE task and one per trial below its stage run.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -14,6 +17,7 @@ from typing import Any
 from bertpipe.jobs.configtools import to_dict
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for one param value
+PARAM_BATCH, METRIC_BATCH = 100, 1000  # MLflow's log_batch limits
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -27,95 +31,104 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
-class WorkflowTracker:
-    """Parent run + nested stage runs. A tracker with an empty URI does nothing (tracking off)."""
+def _client(tracking_uri: str):
+    import mlflow
 
-    def __init__(self, tracking_uri: str, experiment: str, artifact_root: str | None = None):
-        self.tracking_uri = tracking_uri
-        self.client = None
-        self.experiment_id = ""
-        self.parent_run_id = ""
-        if not tracking_uri:
-            return
-        import mlflow
+    return mlflow.MlflowClient(tracking_uri)
 
-        self.client = mlflow.MlflowClient(tracking_uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        if exp is None:
-            # A SQLite store has no artifact root of its own: keep artifacts beside the database, not in ./mlruns.
-            location = None
-            if artifact_root and tracking_uri.startswith("sqlite:"):
-                location = "file://" + os.path.abspath(artifact_root)
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-        else:
-            self.experiment_id = exp.experiment_id
+
+class RunLogger:
+    """One MLflow run, from plain coordinates. Inactive (every call a no-op) without a URI and run id, or when
+    `enabled` is False (Train ranks other than 0)."""
+
+    def __init__(self, coordinates: dict[str, str] | None, enabled: bool = True):
+        self.coordinates = dict(coordinates or {})
+        self.run_id = self.coordinates.get("run_id", "")
+        active = enabled and bool(self.coordinates.get("tracking_uri")) and bool(self.run_id)
+        self.client = _client(self.coordinates["tracking_uri"]) if active else None
 
     @property
-    def enabled(self) -> bool:
+    def active(self) -> bool:
         return self.client is not None
 
-    def start_parent(self, run_name: str, config: dict[str, Any], tags: dict[str, str]) -> None:
-        if not self.enabled:
+    def child(self, run_name: str, tags: dict[str, str]) -> "RunLogger":
+        """A nested run below this one (inactive if this one is)."""
+        if not self.active:
+            return RunLogger(None)
+        run = self.client.create_run(self.coordinates["experiment_id"], run_name=run_name,
+                                     tags={"mlflow.parentRunId": self.run_id, **tags})
+        return RunLogger({**self.coordinates, "run_id": run.info.run_id, "parent_run_id": self.run_id})
+
+    def log_params(self, params: dict[str, Any], skip_logged: bool = False) -> None:
+        if not self.active:
             return
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **tags})
-        self.parent_run_id = run.info.run_id
-        self.log_params(self.parent_run_id, flatten(config))
-        self.log_dict_artifact(self.parent_run_id, config, "resolved_config.json")
-
-    def start_stage(self, stage: str, config: dict[str, Any]) -> str:
-        if not self.enabled:
-            return ""
-        run = self.client.create_run(
-            self.experiment_id, run_name=stage,
-            tags={"mlflow.parentRunId": self.parent_run_id, "bertpipe.kind": "stage", "bertpipe.stage": stage},
-        )
-        self.log_params(run.info.run_id, flatten(config))
-        return run.info.run_id
-
-    def log_params(self, run_id: str, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), 100):  # MLflow's batch limit
-            self.client.log_batch(run_id, params=items[i:i + 100])
+        flat = flatten(to_dict(params))
+        if skip_logged:  # MLflow refuses to change a logged param; the workflow may have logged some already
+            logged = self.client.get_run(self.run_id).data.params
+            flat = {k: v for k, v in flat.items() if k not in logged}
+        items = [Param(k, v) for k, v in flat.items()]
+        for i in range(0, len(items), PARAM_BATCH):
+            self.client.log_batch(self.run_id, params=items[i:i + PARAM_BATCH])
 
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
-        if not self.enabled or not run_id:
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Finite numbers only (NaN/inf and non-numbers are dropped), at `step` (0 when None)."""
+        if not self.active:
             return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        for i in range(0, len(items), 1000):
-            self.client.log_batch(run_id, metrics=items[i:i + 1000])
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+        for i in range(0, len(items), METRIC_BATCH):
+            self.client.log_batch(self.run_id, metrics=items[i:i + METRIC_BATCH])
 
-    def log_final_metrics(self, run_id: str, metrics: dict[str, float]) -> None:
-        """A stage's final figures, except those the stage already logged into its run itself (no duplicates)."""
-        if not self.enabled or not run_id:
-            return
-        logged = self.client.get_run(run_id).data.metrics
-        self.log_metrics(run_id, {k: v for k, v in metrics.items() if k not in logged})
+    def logged_metric_names(self) -> set[str]:
+        return set(self.client.get_run(self.run_id).data.metrics) if self.active else set()
 
-    def log_dict_artifact(self, run_id: str, data: Any, name: str) -> None:
-        if not self.enabled or not run_id:
+    def log_dict(self, data: Any, name: str) -> None:
+        self.log_bytes(json.dumps(to_dict(data), indent=2, sort_keys=True).encode(), name)
+
+    def log_bytes(self, blob: bytes, name: str, artifact_path: str | None = None) -> None:
+        if not self.active:
             return
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, name)
-            with open(path, "w") as f:
-                json.dump(to_dict(data), f, indent=2, sort_keys=True)
-            self.client.log_artifact(run_id, path)
+            with open(path, "wb") as f:
+                f.write(blob)
+            self.client.log_artifact(self.run_id, path, artifact_path)
 
-    def set_tag(self, run_id: str, key: str, value: str) -> None:
-        if self.enabled and run_id:
-            self.client.set_tag(run_id, key, value)
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        if self.active:
+            self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
-    def end(self, run_id: str, ok: bool) -> None:
-        if self.enabled and run_id:
-            self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+    def set_tag(self, key: str, value: str) -> None:
+        if self.active:
+            self.client.set_tag(self.run_id, key, value)
 
-    def coordinates(self, run_id: str) -> dict[str, str]:
-        if not self.enabled:
-            return {}
-        return {"tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id, "run_id": run_id,
-                "parent_run_id": self.parent_run_id}
+    def end(self, ok: bool) -> None:
+        if self.active:
+            self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config: dict[str, Any],
+                       tags: dict[str, str], artifact_root: str | None = None) -> RunLogger:
+    """The parent run of a workflow (inactive when tracking_uri is empty: tracking off)."""
+    if not tracking_uri:
+        return RunLogger(None)
+    client = _client(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        # A SQLite store has no artifact root of its own: keep artifacts beside the database, not in ./mlruns.
+        location = None
+        if artifact_root and tracking_uri.startswith("sqlite:"):
+            location = "file://" + artifact_root
+        experiment_id = client.create_experiment(experiment, artifact_location=location)
+    else:
+        experiment_id = exp.experiment_id
+    run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **tags})
+    parent = RunLogger({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run.info.run_id})
+    parent.log_params(config)
+    parent.log_dict(config, "resolved_config.json")
+    return parent

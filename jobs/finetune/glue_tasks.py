@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bertpipe.pipeline import storage
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -88,6 +90,8 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     TaskSpec("WNLI", _BIN, Layout(True, 1, 2, label=3), Layout(True, 1, 2, label=3), Layout(True, 1, 2, index=0),
              ("accuracy",), _one("WNLI"), _one_test("WNLI")),
 )}
+# The nine task names in the leaderboard's order: the one list the project uses.
+GLUE_TASKS: tuple[str, ...] = tuple(TASKS)
 
 
 def get_task(name: str) -> TaskSpec:
@@ -179,36 +183,9 @@ def parse_tsv(data: bytes, spec: TaskSpec, layout: Layout, source: str) -> Examp
     return Examples(source, a, b, arr, index if layout.index is not None else None, skipped)
 
 
-def _read_bytes(uri: str) -> bytes:
-    import smart_open
-
-    with smart_open.open(uri, "rb") as f:
-        return f.read()
-
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
-def file_exists(uri: str) -> bool:
-    """Whether a file can be opened (any smart_open URI)."""
-    import os
-
-    if "://" not in uri or uri.startswith("file://"):
-        return os.path.isfile(uri.removeprefix("file://"))
-    try:
-        import smart_open
-
-        with smart_open.open(uri, "rb") as f:
-            f.read(1)
-        return True
-    except Exception:  # noqa: BLE001 - remote stores raise their own "not found" types
-        return False
-
-
 def task_present(glue_dir: str, spec: TaskSpec) -> bool:
     """A task counts as present when its folder has a train.tsv."""
-    return file_exists(_join(glue_dir, spec.name, "train.tsv"))
+    return storage.is_file(storage.join(glue_dir, spec.name, "train.tsv"))
 
 
 def read_task(glue_dir: str, spec: TaskSpec, *, with_test: bool = True) -> TaskData:
@@ -217,9 +194,9 @@ def read_task(glue_dir: str, spec: TaskSpec, *, with_test: bool = True) -> TaskD
     files: list[dict] = []
 
     def load(name: str, layout: Layout) -> Examples:
-        uri = _join(glue_dir, spec.name, name)
+        uri = storage.join(glue_dir, spec.name, name)
         try:
-            data = _read_bytes(uri)
+            data = storage.read_bytes(uri)
         except Exception as e:  # noqa: BLE001 - FileNotFoundError locally, store-specific errors remotely
             raise ValueError(f"{uri}: cannot read ({type(e).__name__}: {e})") from e
         files.append({"uri": uri, "size": len(data), "checksum": "sha256:" + hashlib.sha256(data).hexdigest()})
@@ -230,6 +207,6 @@ def read_task(glue_dir: str, spec: TaskSpec, *, with_test: bool = True) -> TaskD
     test = {}
     if with_test:
         for ev, fname in spec.test_files:
-            if file_exists(_join(glue_dir, spec.name, fname)):
+            if storage.is_file(storage.join(glue_dir, spec.name, fname)):
                 test[ev] = load(fname, spec.test)
     return TaskData(spec, train, dev, test, files)

@@ -14,30 +14,33 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from bertpipe.model.training import param_groups, round_up, warmup_decay
+
+from bertpipe.jobs.finetune.config import FinetuneConfig
 from bertpipe.jobs.finetune.glue_metrics import compute_metrics, task_score
 from bertpipe.jobs.finetune.glue_tasks import Examples, TaskData
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrialParams:
+    """One trial: the sweep's shared recipe (batch size, epochs, warmup...) plus its own learning rate and seed."""
+
     learning_rate: float
     seed: int
-    batch_size: int = 32
-    eval_batch_size: int = 64
-    num_epochs: int = 3
-    warmup_proportion: float = 0.1
-    weight_decay: float = 0.01
-    adam_epsilon: float = 1e-6
-    max_grad_norm: float = 1.0
-    max_seq_length: int = 128
-    max_train_examples: int = 0
-    num_threads: int = 1
-    device: str = "cpu"
+    recipe: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.recipe.gpus_per_trial > 0 else "cpu"
+
+    @property
+    def num_threads(self) -> int:
+        return self.recipe.cpus_per_trial
 
 
 @dataclass
@@ -85,8 +88,7 @@ def encode(tok, examples: Examples) -> Encoded:
 
 def collate(enc: Encoded, rows, multiple: int = 8) -> dict[str, torch.Tensor]:
     """Pad rows to the batch's longest, rounded up to `multiple`. Returns [B, T] long tensors (+ labels)."""
-    T = max(len(enc.ids[i]) for i in rows)
-    T = -(-T // multiple) * multiple
+    T = round_up(max(len(enc.ids[i]) for i in rows), multiple)
     B = len(rows)
     ids = torch.zeros(B, T, dtype=torch.long)
     types = torch.zeros(B, T, dtype=torch.long)
@@ -100,16 +102,6 @@ def collate(enc: Encoded, rows, multiple: int = 8) -> dict[str, torch.Tensor]:
     if enc.labels is not None:
         batch["labels"] = torch.from_numpy(enc.labels[list(rows)])
     return batch
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        # Biases and LayerNorm weights are not decayed (BERT's AdamWeightDecayOptimizer exclusion list).
-        (no_decay if p.ndim == 1 or "LayerNorm" in name or "norm" in name.lower() else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 @torch.no_grad()
@@ -127,68 +119,91 @@ def predict(model, enc: Encoded, batch_size: int, is_regression: bool, device: s
     return out
 
 
-def run_trial(model_dir: str | Path, data: TaskData, p: TrialParams,
-              on_epoch: Callable[[int, dict[str, float]], None] | None = None) -> TrialResult:
-    """Fine-tune the BERT in `model_dir` (HF layout) on `data` with the hyper-parameters `p`."""
+@dataclass
+class Prepared:
+    """A trial's model, optimizer, schedule and encoded data, ready to train."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    train_enc: Encoded
+    dev_enc: dict[str, Encoded]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    rng: np.random.Generator
+    num_train: int
+    total_steps: int
+
+
+def prepare(model_dir: str | Path, data: TaskData, p: TrialParams) -> Prepared:
     from bertpipe.model import BertForSequenceClassification, load_pretrained
 
+    r = p.recipe
     torch.set_num_threads(p.num_threads)
-    spec = data.spec
     # Head init and dropout draw from torch's global RNG (torch gives modules no generator argument); seeding it
     # here, in the trial's own process, makes a trial reproducible. Data order uses its own generator.
     torch.manual_seed(p.seed)
     rng = np.random.default_rng(p.seed)
     train = data.train
-    if p.max_train_examples and len(train) > p.max_train_examples:
-        train = train.take(np.sort(rng.choice(len(train), p.max_train_examples, replace=False)))
-
-    tok = load_tokenizer(model_dir, p.max_seq_length)
-    train_enc = encode(tok, train)
-    dev_enc = {name: encode(tok, ex) for name, ex in data.dev.items()}
-    model = load_pretrained(model_dir, BertForSequenceClassification, num_labels=spec.num_labels).to(p.device)
-
-    steps_per_epoch = math.ceil(len(train) / p.batch_size)
-    total = steps_per_epoch * p.num_epochs
-    warmup = int(total * p.warmup_proportion)
+    if r.max_train_examples and len(train) > r.max_train_examples:
+        train = train.take(np.sort(rng.choice(len(train), r.max_train_examples, replace=False)))
+    tok = load_tokenizer(model_dir, r.max_seq_length)
+    model = load_pretrained(model_dir, BertForSequenceClassification, num_labels=data.spec.num_labels).to(p.device)
+    total = math.ceil(len(train) / r.batch_size) * r.num_epochs
+    warmup = int(total * r.warmup_proportion)
     # Fused AdamW: one kernel over all tensors; on CPU it is measurably cheaper than the foreach default for the
     # 30k-row embedding that every step updates (transformers' Trainer uses it too).
-    opt = torch.optim.AdamW(_param_groups(model, p.weight_decay), lr=p.learning_rate, eps=p.adam_epsilon,
+    opt = torch.optim.AdamW(param_groups(model, r.weight_decay), lr=p.learning_rate, eps=r.adam_epsilon,
                             fused=p.device in ("cpu", "cuda"))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_decay(step, total, warmup))
+    return Prepared(model, tok, encode(tok, train), {n: encode(tok, ex) for n, ex in data.dev.items()}, opt, sched,
+                    rng, len(train), total)
 
+
+def train_epoch(t: Prepared, p: TrialParams) -> float:
+    """One pass over the training set in a fresh random order; returns the mean training loss."""
+    t.model.train()
+    order = t.rng.permutation(t.num_train)
+    losses = []
+    for start in range(0, len(order), p.recipe.batch_size):
+        b = {k: v.to(p.device) for k, v in collate(t.train_enc, order[start:start + p.recipe.batch_size]).items()}
+        loss, _ = t.model(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"])
+        t.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(t.model.parameters(), p.recipe.max_grad_norm)
+        t.optimizer.step()
+        t.scheduler.step()
+        losses.append(loss.item())
+    return float(np.mean(losses))
+
+
+def evaluate_dev(t: Prepared, spec, p: TrialParams) -> dict[str, dict[str, float]]:
+    return {name: compute_metrics(spec.metrics, predict(t.model, enc, p.recipe.eval_batch_size, spec.is_regression,
+                                                        p.device), enc.labels)
+            for name, enc in t.dev_enc.items()}
+
+
+def run_trial(model_dir: str | Path, data: TaskData, p: TrialParams,
+              on_epoch: Callable[[int, dict[str, float]], None] | None = None) -> TrialResult:
+    """Fine-tune the BERT in `model_dir` (HF layout) on `data` with the hyper-parameters `p`."""
+    spec = data.spec
+    t = prepare(model_dir, data, p)
     history: list[dict[str, float]] = []
     dev_metrics: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
-    for epoch in range(p.num_epochs):
-        model.train()
-        order = rng.permutation(len(train))
-        loss_sum = 0.0
-        for start in range(0, len(order), p.batch_size):
-            b = {k: v.to(p.device) for k, v in collate(train_enc, order[start:start + p.batch_size]).items()}
-            loss, _ = model(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), p.max_grad_norm)
-            opt.step()
-            sched.step()
-            loss_sum += loss.item()
-        dev_metrics = {}
-        for name, enc in dev_enc.items():
-            preds = predict(model, enc, p.eval_batch_size, spec.is_regression, p.device)
-            dev_metrics[name] = compute_metrics(spec.metrics, preds, enc.labels)
-        row = {"train_loss": loss_sum / steps_per_epoch, "score": task_score(dev_metrics)}
+    for epoch in range(p.recipe.num_epochs):
+        train_loss = train_epoch(t, p)
+        dev_metrics = evaluate_dev(t, spec, p)
+        row = {"train_loss": train_loss, "score": task_score(dev_metrics)}
         for name, ms in dev_metrics.items():
             row.update({f"{name}.{m}": v for m, v in ms.items()})
         history.append(row)
         if on_epoch is not None:
             on_epoch(epoch + 1, row)
     seconds = time.perf_counter() - t0
-
     test_predictions = {}
     for name, ex in data.test.items():
-        preds = predict(model, encode(tok, ex), p.eval_batch_size, spec.is_regression, p.device)
+        preds = predict(t.model, encode(t.tokenizer, ex), p.recipe.eval_batch_size, spec.is_regression, p.device)
         test_predictions[name] = (list(ex.index or range(len(ex))), preds.tolist())
     return TrialResult(spec.name, p.learning_rate, p.seed, dev_metrics, task_score(dev_metrics), history,
-                       test_predictions, len(train), total, seconds,
-                       len(train) * p.num_epochs / seconds if seconds > 0 else 0.0)
+                       test_predictions, t.num_train, t.total_steps, seconds,
+                       t.num_train * p.recipe.num_epochs / seconds if seconds > 0 else 0.0)

@@ -103,8 +103,6 @@ class PretrainConfig:
     storage_path: str = path_field()
     # Run name under storage_path; empty = derived from the config and inputs, so an identical rerun resumes.
     run_name: str = ""
-    # Test hook: rank 1 dies (os._exit) once when it reaches this optimizer step. 0 = off.
-    fail_at_step: int = 0
 
     def phase_steps(self) -> tuple[int, ...]:
         """Optimizer steps of each phase; they sum to max_steps."""
@@ -149,8 +147,8 @@ def validate(cfg: PretrainConfig) -> None:
                  "prefetch_batches", "length_bin_window"):
         if getattr(cfg, name) < 1:
             bad(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.eval_every_steps < 0 or cfg.max_failures < 0 or cfg.fail_at_step < 0 or cfg.shuffle_buffer_rows < 0:
-        bad("eval_every_steps, max_failures, fail_at_step and shuffle_buffer_rows must be >= 0")
+    if cfg.eval_every_steps < 0 or cfg.max_failures < 0 or cfg.shuffle_buffer_rows < 0:
+        bad("eval_every_steps, max_failures and shuffle_buffer_rows must be >= 0")
     if not 0.0 < cfg.masked_lm_prob < 1.0:
         bad(f"masked_lm_prob must be in (0, 1), got {cfg.masked_lm_prob}")
     if cfg.decay_power <= 0:

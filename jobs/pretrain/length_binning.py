@@ -17,6 +17,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from bertpipe.model.training import round_up
+
 
 def row_lengths(batch: dict[str, Any]) -> np.ndarray:
     """[B] token count of each row (Ray hands list columns over as an object array, or 2-D if rows are equal)."""
@@ -76,5 +78,5 @@ def padding_fraction(lengths: np.ndarray, batch_size: int, multiple: int = 8) ->
     padded = 0
     for start in range(0, len(lengths), batch_size):
         chunk = lengths[start:start + batch_size]
-        padded += len(chunk) * int(-(-chunk.max() // multiple) * multiple)
+        padded += len(chunk) * round_up(chunk.max(), multiple)
     return 1.0 - float(lengths.sum()) / padded if padded else 0.0

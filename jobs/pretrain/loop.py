@@ -9,29 +9,67 @@ uninterrupted run computes.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import os
-import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from bertpipe.jobs.pretrain import checkpoints
+from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.length_binning import length_binned
 from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
-from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig
-from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler, param_groups
+from bertpipe.jobs.pretrain.meter import Meter, all_sum
+from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
+from bertpipe.jobs.tracking import RunLogger
+from bertpipe.model.training import param_groups
 
 log = logging.getLogger("bertpipe.pretrain")
-CKPT_TAG = "ckpt"
-STATE_FILE = "position.json"  # beside DeepSpeed's files: where in the data the checkpoint was taken
+EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase
 
 
-def _seed_of(*parts: int) -> int:
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything the driver hands every worker; every path in it is absolute or a URI."""
+
+    pretrain: PretrainConfig
+    model: ModelConfig
+    seed: int
+    vocab_tokens: list[str]
+    vocab_bytes: bytes
+    tracking: dict[str, str]
+    export_uri: str
+    storage_path: str
+    run_name: str
+
+
+@dataclass
+class Position:
+    """Where in the data a worker is: optimizer step, phase, epoch and micro-batch index within the epoch."""
+
+    step: int = 0
+    phase: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    engine: Any
+    scheduler: Any
+    rank: int
+    world: int
+    device: Any
+    run: RunLogger
+
+
+def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
@@ -46,252 +84,204 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
     return BertForPreTraining(bert_cfg)
 
 
-class _Tracker:
-    """MLflow from rank 0 only; a no-op without coordinates."""
-
-    def __init__(self, tracking: dict[str, str], rank: int):
-        self.client = None
-        if rank == 0 and tracking.get("tracking_uri") and tracking.get("run_id"):
-            from mlflow.tracking import MlflowClient
-
-            self.client = MlflowClient(tracking["tracking_uri"])
-            self.run_id = tracking["run_id"]
-
-    def metrics(self, values: dict[str, float], step: int) -> None:
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
-
-    def artifacts(self, local_dir: str, path: str) -> None:
-        if self.client is not None:
-            self.client.log_artifacts(self.run_id, local_dir, path)
-
-
-def _all_sum(values: list[float], device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def _forward(engine, batch: dict[str, torch.Tensor], device):
-    b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return engine(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_positions"],
-                  b["masked_lm_labels"], b["next_sentence_label"])
-
-
-def evaluate(engine, shard, spec: MaskingSpec, cfg: PretrainConfig, seed: int, rank: int, device) -> dict:
-    """Held-out MLM/NSP accuracy with a fixed masking seed, summed over all workers (every rank runs the same
-    number of forwards: ZeRO-3 gathers parameters collectively)."""
-    engine.eval()
-    sums = [0.0] * 5  # mlm_correct, mlm_count, nsp_correct, nsp_count, mlm_loss × count
-    with torch.no_grad():
-        it = shard.iter_batches(batch_size=32, batch_format="numpy", drop_last=False, prefetch_batches=2)
-        for i, raw in enumerate(it):
-            if i >= cfg.eval_max_batches:
-                break
-            out = _forward(engine, collate(raw, spec, batch_rng(seed, 99, 0, rank, i)), device)
-            n = len(raw["next_sentence_label"])
-            sums = [sums[0] + out.mlm_correct.item(), sums[1] + out.mlm_count.item(),
-                    sums[2] + out.nsp_correct.item(), sums[3] + n, sums[4] + out.mlm_loss.item() * out.mlm_count.item()]
-    engine.train()
-    c, n, nc, nn_, loss = _all_sum(sums, device)
-    return {"eval_mlm_accuracy": c / max(n, 1), "eval_nsp_accuracy": nc / max(nn_, 1),
-            "eval_mlm_loss": loss / max(n, 1), "eval_sequences": nn_}
-
-
-def _save_and_report(engine, position: dict, metrics: dict) -> None:
-    import ray.train
-
-    with tempfile.TemporaryDirectory() as d:
-        engine.save_checkpoint(d, tag=CKPT_TAG)
-        with open(os.path.join(d, STATE_FILE), "w") as f:
-            json.dump(position, f)
-        # Every rank reports its own files (ZeRO shards differ per rank); Ray merges them into one checkpoint.
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
-
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
+def setup(spec: WorkerSpec) -> Worker:
     import deepspeed
     import ray.train
     import ray.train.torch
 
-    cfg: PretrainConfig = config["pretrain"]
-    seed: int = config["seed"]
-    tokens: list[str] = config["vocab_tokens"]
-    rctx = ray.train.get_context()
-    rank, world = rctx.get_world_rank(), rctx.get_world_size()
+    cfg = spec.pretrain
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cpus_per_worker)
-    device = ray.train.torch.get_device()
-    tracker = _Tracker(config.get("tracking") or {}, rank)
-
-    model = build_model(config["model"], len(tokens), seed)
-    steps = cfg.phase_steps()
-    ds_cfg = deepspeed_config(cfg, cfg.phases[0], world)
+    model = build_model(spec.model, len(spec.vocab_tokens), spec.seed)
     if cfg.optimizer_impl == "torch":
         optimizer, params = make_optimizer(cfg, model), None
     else:
         optimizer, params = None, param_groups(model, cfg.weight_decay)
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=optimizer, model_parameters=params, config=ds_cfg, dist_init_required=False,
-        lr_scheduler=lambda opt: make_scheduler(cfg, opt))
+        model=model, optimizer=optimizer, model_parameters=params, config=deepspeed_config(cfg, cfg.phases[0], world),
+        dist_init_required=False, lr_scheduler=lambda opt: make_scheduler(cfg, opt))
+    return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
+                  RunLogger(spec.tracking, enabled=rank == 0))
 
-    position = {"step": 0, "phase": 0, "epoch": 0, "batch": 0}
-    # Ray Train's own (a retry, or a rerun it has a snapshot for) first. Else scan the run folder: a rerun after a
-    # crash, or a retry that starts before the controller registered the last reported checkpoint (seen when a
-    # worker dies right after reporting) still finds it there. Rank 0 decides so that every rank loads the same.
+
+def restore(w: Worker) -> Position:
+    """Ray Train's checkpoint (a retry, or a rerun it has a snapshot for) first; else the newest complete one in the
+    run folder (a rerun after a crash, or a retry that starts before the controller registered the last reported
+    checkpoint). Rank 0 decides, so every rank loads the same."""
+    import ray.train
+
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        from bertpipe.jobs.pretrain.stage import latest_checkpoint
-
-        found = [latest_checkpoint(config["storage_path"], config["run_name"], cfg) if rank == 0 else None]
+        found = [checkpoints.latest_checkpoint(w.spec.storage_path, w.spec.run_name, w.spec.pretrain)
+                 if w.rank == 0 else None]
         dist.broadcast_object_list(found, src=0)
-        if found[0]:
-            checkpoint = ray.train.Checkpoint(found[0])
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            engine.load_checkpoint(d, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
-            with open(os.path.join(d, STATE_FILE)) as f:
-                position = json.load(f)
-        log.info("rank %d resumed at %s", rank, position)
-    step = position["step"]
-    resumed_from = step
-    assert engine.global_steps == step, (engine.global_steps, step)
-
-    last_metrics: dict[str, float] = {}
-    for phase_index, (phase, num_steps) in enumerate(zip(cfg.phases, steps)):
-        phase_end = sum(steps[: phase_index + 1])
-        if step >= phase_end or num_steps == 0:
-            continue
-        if phase_index != position["phase"]:
-            position = {"step": step, "phase": phase_index, "epoch": 0, "batch": 0}
-        L = phase.max_seq_length
-        engine.set_train_micro_batch_size(phase.micro_batch_size)
-        engine.set_train_batch_size(phase.global_batch_size)
-        # DeepSpeed finds accumulation boundaries by micro_steps % accumulation steps; a phase (and a resume)
-        # always starts on a boundary, so restart the count where the accumulation steps may change.
-        engine.micro_steps = 0
-        spec = MaskingSpec.from_vocab(tokens, max_seq_length=L, max_predictions=phase.max_predictions_per_seq,
-                                      masked_lm_prob=cfg.masked_lm_prob, whole_word=cfg.whole_word_masking)
-        train_shard = ray.train.get_dataset_shard(f"train_{L}")
-        eval_shard = ray.train.get_dataset_shard(f"heldout_{L}")
-        window = dict(t0=time.perf_counter(), wait=0.0, seqs=0.0, tokens=0.0, slots=0.0, sums=[0.0] * 8)
-        while step < phase_end:
-            epoch, skip = position["epoch"], position["batch"]
-            batches = train_shard.iter_batches(
-                batch_size=phase.micro_batch_size, batch_format="numpy", drop_last=True,
-                prefetch_batches=cfg.prefetch_batches, local_shuffle_buffer_size=cfg.shuffle_buffer_rows or None,
-                local_shuffle_seed=_seed_of(seed, phase_index, epoch, rank))
-            it = length_binned(batches, cfg.length_bin_window,
-                               np.random.default_rng(_seed_of(seed, phase_index, epoch, rank, 2)))
-            batch_index, seen = 0, 0
-            while step < phase_end:
-                t_wait = time.perf_counter()
-                raw = next(it, None)
-                if raw is None:
-                    break
-                seen += 1
-                if batch_index < skip:  # consumed before the checkpoint we resumed from
-                    batch_index += 1
-                    continue
-                batch = collate(raw, spec, batch_rng(seed, phase_index, epoch, rank, batch_index))
-                window["wait"] += time.perf_counter() - t_wait
-                torch.manual_seed(_seed_of(seed, phase_index, epoch, rank, batch_index, 1))  # dropout
-                out = _forward(engine, batch, device)
-                engine.backward(out.loss)
-                engine.step()
-                batch_index += 1
-                s = window["sums"]
-                n_seq = batch["input_ids"].shape[0]
-                for i, v in enumerate((out.loss.item(), out.mlm_loss.item(), out.nsp_loss.item(),
-                                       out.mlm_correct.item(), out.mlm_count.item(), out.nsp_correct.item(),
-                                       n_seq, 1)):
-                    s[i] += v
-                window["seqs"] += n_seq
-                window["tokens"] += float(batch["attention_mask"].sum())
-                window["slots"] += float(batch["attention_mask"].numel())  # real + padding
-                if engine.global_steps == step:
-                    continue  # inside a gradient accumulation
-                step = engine.global_steps
-                position = {"step": step, "phase": phase_index, "epoch": epoch, "batch": batch_index}
-                if cfg.fail_at_step and step == cfg.fail_at_step and rank == min(1, world - 1):
-                    marker = config["fail_marker"]
-                    if not os.path.exists(marker):
-                        open(marker, "w").close()
-                        os._exit(1)  # simulated worker crash (test hook), only on the first attempt
-                last_metrics = _maybe_log(engine, scheduler, cfg, window, step, phase_end, L, device, tracker) or last_metrics
-                if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.max_steps:
-                    ev = evaluate(engine, eval_shard, spec, cfg, seed, rank, device)
-                    tracker.metrics(ev, step)
-                if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
-                    _save_and_report(engine, position, {"step": step, **last_metrics})
-                    window["t0"] = time.perf_counter()  # keep checkpoint time out of throughput
-            if seen == 0:
-                raise ValueError(f"worker {rank} got no batch of {phase.micro_batch_size} rows at seq {L}: "
-                                 "too few training rows for num_workers × micro_batch_size")
-            if step < phase_end:
-                position = {"step": step, "phase": phase_index, "epoch": epoch + 1, "batch": 0}
-
-    # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.
-    final = {"step": step, "resumed_from_step": resumed_from, **last_metrics}
-    last = cfg.phases[-1] if steps[-1] else cfg.phases[0]
-    last_L = last.max_seq_length
-    last_spec = MaskingSpec.from_vocab(tokens, max_seq_length=last_L, max_predictions=last.max_predictions_per_seq)
-    final.update(evaluate(engine, ray.train.get_dataset_shard(f"heldout_{last_L}"), last_spec, cfg, seed, rank,
-                          device))
-    tracker.metrics({k: v for k, v in final.items() if k.startswith("eval_")}, step)
-    _export(engine, config, cfg, rank, tracker)
-    _save_and_report(engine, position, final)
+        checkpoint = ray.train.Checkpoint(found[0]) if found[0] else None
+    if checkpoint is None:
+        return Position()
+    position = Position(**checkpoints.load(w.engine, checkpoint))
+    log.info("rank %d resumed at %s", w.rank, position)
+    assert w.engine.global_steps == position.step, (w.engine.global_steps, position.step)
+    return position
 
 
-def _maybe_log(engine, scheduler, cfg, window, step, phase_end, L, device, tracker) -> dict[str, float]:
-    if step % cfg.log_every_steps and step != phase_end:
-        return {}
-    loss, mlm, nsp, correct, count, nsp_correct, n_seq, n_micro = _all_sum(window["sums"], device)
-    seqs, toks, slots, wait = _all_sum([window["seqs"], window["tokens"], window["slots"], window["wait"]], device)
-    elapsed = max(time.perf_counter() - window["t0"], 1e-9)
-    world = dist.get_world_size()
-    grad_norm = engine.get_global_grad_norm()
-    metrics = {
-        "loss": loss / n_micro, "mlm_loss": mlm / n_micro, "nsp_loss": nsp / n_micro,
-        "mlm_accuracy": correct / max(count, 1), "nsp_accuracy": nsp_correct / max(n_seq, 1),
-        "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "sequences_per_second": seqs / elapsed, "tokens_per_second": toks / elapsed,
-        "data_wait_fraction": wait / world / elapsed, "padding_fraction": 1.0 - toks / max(slots, 1.0),
-        "seq_length": L,
-    }
-    tracker.metrics(metrics, step)
-    if dist.get_rank() == 0:
-        log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%", step, L,
-                 metrics["loss"], metrics["mlm_accuracy"], metrics["nsp_accuracy"], metrics["lr"],
+def masking_spec(w: Worker, phase: PhaseConfig, training: bool = True) -> MaskingSpec:
+    """The phase's masking as configured, or (training=False) BERT's standard token-level 15% for the final
+    evaluation, so runs with other masking settings are compared on the same task."""
+    cfg = w.spec.pretrain
+    if not training:
+        return MaskingSpec.from_vocab(w.spec.vocab_tokens, max_seq_length=phase.max_seq_length,
+                                      max_predictions=phase.max_predictions_per_seq)
+    return MaskingSpec.from_vocab(w.spec.vocab_tokens, max_seq_length=phase.max_seq_length,
+                                  max_predictions=phase.max_predictions_per_seq, masked_lm_prob=cfg.masked_lm_prob,
+                                  whole_word=cfg.whole_word_masking)
+
+
+def forward(w: Worker, batch: dict[str, torch.Tensor]):
+    b = {k: v.to(w.device, non_blocking=True) for k, v in batch.items()}
+    return w.engine(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_positions"],
+                    b["masked_lm_labels"], b["next_sentence_label"])
+
+
+def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict[str, float]:
+    """Held-out MLM/NSP accuracy with a fixed masking seed, summed over all workers (every rank runs the same
+    number of forwards: ZeRO-3 gathers parameters collectively)."""
+    import ray.train
+
+    shard = ray.train.get_dataset_shard(f"heldout_{phase.max_seq_length}")
+    spec = masking_spec(w, phase, training_masks)
+    sums = dict.fromkeys(("mlm_correct", "mlm_count", "nsp_correct", "sequences", "mlm_loss"), 0.0)
+    w.engine.eval()
+    with torch.no_grad():
+        it = shard.iter_batches(batch_size=32, batch_format="numpy", drop_last=False, prefetch_batches=2)
+        for i, raw in enumerate(it):
+            if i >= w.spec.pretrain.eval_max_batches:
+                break
+            out = forward(w, collate(raw, spec, batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, i)))
+            for key, value in (("mlm_correct", out.mlm_correct.item()), ("mlm_count", out.mlm_count.item()),
+                               ("nsp_correct", out.nsp_correct.item()), ("sequences", len(raw["next_sentence_label"])),
+                               ("mlm_loss", out.mlm_loss.item() * out.mlm_count.item())):
+                sums[key] += value
+    w.engine.train()
+    s = dict(zip(sums, all_sum(list(sums.values()), w.device)))
+    return {"eval_mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1),
+            "eval_nsp_accuracy": s["nsp_correct"] / max(s["sequences"], 1),
+            "eval_mlm_loss": s["mlm_loss"] / max(s["mlm_count"], 1), "eval_sequences": s["sequences"]}
+
+
+def train_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
+    """One micro-batch forward + backward + (at an accumulation boundary) optimizer step; returns the output."""
+    torch.manual_seed(dropout_seed)
+    out = forward(w, batch)
+    w.engine.backward(out.loss)
+    w.engine.step()
+    return out
+
+
+def log_window(w: Worker, meter: Meter, step: int, seq_length: int) -> dict[str, float]:
+    grad_norm = w.engine.get_global_grad_norm()
+    metrics = {**meter.summary(w.device), "lr": w.scheduler.get_last_lr()[0],
+               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "seq_length": seq_length}
+    w.run.log_metrics(metrics, step)
+    if w.rank == 0:
+        log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%", step,
+                 seq_length, metrics["loss"], metrics["mlm_accuracy"], metrics["nsp_accuracy"], metrics["lr"],
                  metrics["sequences_per_second"], 100 * metrics["data_wait_fraction"])
-    window.update(t0=time.perf_counter(), wait=0.0, seqs=0.0, tokens=0.0, slots=0.0, sums=[0.0] * 8)
     return metrics
 
 
-def _export(engine, config: dict, cfg: PretrainConfig, rank: int, tracker: _Tracker) -> None:
-    """HF-layout export (model.safetensors + config.json + vocab.txt) to <output>/export from rank 0. Under
-    ZeRO-3 every rank takes part in gathering the full parameters."""
-    import deepspeed
-    import pyarrow.fs as pafs
+def epoch_batches(w: Worker, phase_index: int, epoch: int):
+    """This worker's micro-batches of one epoch of a phase, shuffled and length-binned with seeds of (epoch, rank)."""
+    import ray.train
 
-    from bertpipe.model import save_pretrained
-    from bertpipe.pipeline import storage
+    cfg, phase = w.spec.pretrain, w.spec.pretrain.phases[phase_index]
+    batches = ray.train.get_dataset_shard(f"train_{phase.max_seq_length}").iter_batches(
+        batch_size=phase.micro_batch_size, batch_format="numpy", drop_last=True,
+        prefetch_batches=cfg.prefetch_batches, local_shuffle_buffer_size=cfg.shuffle_buffer_rows or None,
+        local_shuffle_seed=seed_of(w.spec.seed, phase_index, epoch, w.rank))
+    return length_binned(batches, cfg.length_bin_window,
+                         np.random.default_rng(seed_of(w.spec.seed, phase_index, epoch, w.rank, 2)))
 
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None,
-                                           enabled=cfg.zero_stage == 3):
-        if rank == 0:
-            with tempfile.TemporaryDirectory() as d:
-                vocab_path = os.path.join(d, "vocab-source.txt")
-                with open(vocab_path, "wb") as f:
-                    f.write(config["vocab_bytes"])
-                export_dir = os.path.join(d, "export")
-                save_pretrained(engine.module, export_dir, vocab_path)
-                fs, path = storage.resolve(config["export_uri"])
-                fs.create_dir(path, recursive=True)
-                pafs.copy_files(export_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-                tracker.artifacts(export_dir, "export")
-    if dist.is_initialized():
-        dist.barrier()
+
+def after_step(w: Worker, meter: Meter, position: Position, phase_end: int, last: dict) -> dict:
+    """Logging, evaluation and checkpointing at an optimizer step; returns the latest logged metrics."""
+    cfg, step = w.spec.pretrain, position.step
+    phase = cfg.phases[position.phase]
+    if step % cfg.log_every_steps == 0 or step == phase_end:
+        last = log_window(w, meter, step, phase.max_seq_length)
+        meter.reset()
+    if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.max_steps:
+        w.run.log_metrics(evaluate(w, phase), step)
+    if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
+        checkpoints.save_and_report(w.engine, dataclasses.asdict(position), {"step": step, **last})
+        meter.started = time.perf_counter()  # keep checkpoint time out of throughput
+    return last
+
+
+def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last: dict) -> tuple[Position, dict]:
+    """Train from `position` until the epoch's data or the phase's steps run out."""
+    phase_index, epoch, skip = position.phase, position.epoch, position.batch
+    spec = masking_spec(w, w.spec.pretrain.phases[phase_index])
+    seen, index = 0, 0
+    it = epoch_batches(w, phase_index, epoch)
+    while position.step < phase_end:
+        t_wait = time.perf_counter()
+        raw = next(it, None)
+        if raw is None:
+            break
+        seen += 1
+        if index < skip:  # consumed before the checkpoint we resumed from
+            index += 1
+            continue
+        batch = collate(raw, spec, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index))
+        wait = time.perf_counter() - t_wait
+        out = train_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
+        index += 1
+        meter.add(out, batch, wait)
+        if w.engine.global_steps == position.step:
+            continue  # inside a gradient accumulation
+        position = Position(w.engine.global_steps, phase_index, epoch, index)
+        last = after_step(w, meter, position, phase_end, last)
+    if seen == 0:
+        raise ValueError(f"worker {w.rank} got no batch at seq {w.spec.pretrain.phases[phase_index].max_seq_length}:"
+                         " too few training rows for num_workers × micro_batch_size")
+    return position, last
+
+
+def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tuple[Position, dict]:
+    cfg = w.spec.pretrain
+    steps = cfg.phase_steps()
+    phase_end = sum(steps[: phase_index + 1])
+    if position.step >= phase_end or steps[phase_index] == 0:
+        return position, last
+    if phase_index != position.phase:
+        position = Position(position.step, phase_index, 0, 0)
+    phase = cfg.phases[phase_index]
+    w.engine.set_train_micro_batch_size(phase.micro_batch_size)
+    w.engine.set_train_batch_size(phase.global_batch_size)
+    # DeepSpeed finds accumulation boundaries by micro_steps % accumulation steps; a phase (and a resume) always
+    # starts on a boundary, so restart the count where the accumulation steps may change.
+    w.engine.micro_steps = 0
+    meter = Meter()
+    while position.step < phase_end:
+        position, last = run_epoch(w, meter, position, phase_end, last)
+        if position.step < phase_end:
+            position = Position(position.step, phase_index, position.epoch + 1, 0)
+    return position, last
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    spec: WorkerSpec = config["spec"]
+    w = setup(spec)
+    position = restore(w)
+    resumed_from, last = position.step, {}
+    for phase_index in range(len(spec.pretrain.phases)):
+        position, last = run_phase(w, phase_index, position, last)
+    steps = spec.pretrain.phase_steps()
+    final_phase = spec.pretrain.phases[-1] if steps[-1] else spec.pretrain.phases[0]
+    # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.
+    final = {"step": position.step, "resumed_from_step": resumed_from, **last,
+             **evaluate(w, final_phase, training_masks=False)}
+    w.run.log_metrics({k: v for k, v in final.items() if k.startswith("eval_")}, position.step)
+    checkpoints.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run)
+    checkpoints.save_and_report(w.engine, dataclasses.asdict(position), final)

@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bertpipe.model.training import round_up
+
 IGNORE_INDEX = -100
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
@@ -79,7 +81,7 @@ def pad_batch(batch: dict[str, Any], spec: MaskingSpec) -> dict[str, np.ndarray]
         raise ValueError(f"a row has {lengths.max()} tokens but max_seq_length is {spec.max_seq_length}: "
                          "shards of another sequence length?")
     m = spec.pad_to_multiple_of
-    T = int(-(-lengths.max() // m) * m)
+    T = round_up(lengths.max(), m)
     positions = np.arange(T)[None, :]  # [1, T]
     real = positions < lengths[:, None]  # [B, T]
     input_ids = np.full(real.shape, spec.pad_id, dtype=np.int64)

@@ -16,15 +16,7 @@ import torch
 from torch import nn
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: matrices/embeddings with weight decay; 1-D tensors (biases, LayerNorm) without."""
-    decay, no_decay = [], []
-    for p in model.parameters():  # parameters() lists the tied embedding/decoder weight once
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+from bertpipe.model.training import param_groups, warmup_decay
 
 
 class Lamb(torch.optim.Optimizer):
@@ -95,11 +87,7 @@ class LrSchedule:
         for seg in self.segments:
             if step >= seg[0]:
                 start, num, peak, warmup = seg
-        k = step - start
-        if k < warmup:
-            return peak * (k + 1) / warmup
-        remaining = max(0.0, (num - k) / max(1, num - warmup))
-        return peak * remaining ** self.power
+        return peak * warmup_decay(step - start, num, warmup, self.power)
 
 
 def make_scheduler(cfg: PretrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

@@ -1,0 +1,108 @@
+"""The outcome of a GLUE sweep: per-task outcomes, the summary table (Markdown + CSV) with the GLUE score and
+the BERT paper's average, and the submission files GLUE's server takes."""
+from __future__ import annotations
+
+import csv
+import io
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from bertpipe.jobs.finetune.glue_metrics import bert_paper_average, glue_score
+from bertpipe.jobs.finetune.glue_tasks import TaskSpec
+from bertpipe.jobs.finetune.trial import TrialResult
+from bertpipe.pipeline import storage
+
+
+@dataclass
+class TaskOutcome:
+    spec: TaskSpec
+    status: str  # ok | failed | absent
+    error: str = ""
+    trials: list[TrialResult] = field(default_factory=list)
+    trial_errors: list[str] = field(default_factory=list)
+    num_train: int = 0
+    run: Any = None  # the task's MLflow run (a RunLogger), once it has one
+
+    @property
+    def best(self) -> TrialResult | None:
+        return max(self.trials, key=lambda r: r.score) if self.trials else None  # max keeps the first on ties
+
+    @property
+    def errors(self) -> str:
+        return self.error or "; ".join(self.trial_errors)
+
+
+def submission_rows(spec: TaskSpec, preds: list) -> list[str]:
+    """Predictions as GLUE's server wants them: label strings (0/1 for the binary tasks), STS-B floats in [0, 5]."""
+    if spec.is_regression:
+        return [f"{min(5.0, max(0.0, float(p))):.3f}" for p in preds]
+    return [spec.labels[int(p)] for p in preds]
+
+
+def write_submission(out_uri: str, outcomes: list[TaskOutcome]) -> list[str]:
+    """submission/<name>.tsv per test set of each finished task + submission.zip; returns the file names."""
+    files: dict[str, bytes] = {}
+    for o in outcomes:
+        if o.status != "ok" or o.best is None:
+            continue
+        for name, (index, preds) in o.best.test_predictions.items():
+            lines = ["index\tprediction"] + [f"{i}\t{p}" for i, p in zip(index, submission_rows(o.spec, preds))]
+            files[f"{name}.tsv"] = ("\n".join(lines) + "\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, blob in sorted(files.items()):
+            storage.write_bytes(storage.join(out_uri, "submission", name), blob)
+            z.writestr(name, blob)
+    if files:
+        storage.write_bytes(storage.join(out_uri, "submission.zip"), buf.getvalue())
+    return sorted(files)
+
+
+def _fmt(o: TaskOutcome) -> str:
+    best = o.best
+    return " / ".join(f"{100 * v:.1f}" for ms in best.dev_metrics.values() for v in ms.values()) if best else ""
+
+
+def _row(o: TaskOutcome) -> dict[str, str]:
+    best = o.best
+    return {
+        "task": o.spec.name, "status": o.status,
+        "metrics": "/".join(f"{s}.{m}" if len(o.spec.dev_files) > 1 else m
+                            for s, _ in o.spec.dev_files for m in o.spec.metrics),
+        "dev": _fmt(o), "score": f"{100 * best.score:.2f}" if best else "",
+        "best_lr": f"{best.learning_rate:g}" if best else "", "trials_ok": f"{len(o.trials)}",
+        "trials_failed": f"{len(o.trial_errors)}", "num_train": f"{o.num_train}",
+        "test_sets": ",".join(best.test_predictions) if best else "",
+        "error": o.errors[:300].replace("\n", " "),
+    }
+
+
+def scores(outcomes: list[TaskOutcome]) -> dict[str, float]:
+    """Best dev score per task in percent, plus the GLUE score and the BERT paper average (with completeness)."""
+    task_scores = {o.spec.name: o.best.score for o in outcomes if o.best}
+    glue, complete = glue_score(task_scores)
+    paper, _ = bert_paper_average({o.spec.name: o.best.dev_metrics for o in outcomes if o.best})
+    return {**{f"dev.{k}": 100 * v for k, v in task_scores.items()}, "glue_score": glue,
+            "glue_score_complete": float(complete), "bert_paper_average": paper}
+
+
+def summary_table(outcomes: list[TaskOutcome]) -> tuple[list[dict[str, Any]], str, str]:
+    """(rows, Markdown, CSV) of the sweep: one row per task plus the two averages."""
+    rows = [_row(o) for o in outcomes]
+    task_scores = {o.spec.name: o.best.score for o in outcomes if o.best}
+    glue, complete = glue_score(task_scores)
+    paper, paper_complete = bert_paper_average({o.spec.name: o.best.dev_metrics for o in outcomes if o.best})
+    cols = list(rows[0]) if rows else ["task"]
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
+    md.append("")
+    md.append(f"GLUE score (leaderboard way: mean of 9 task scores, two-metric tasks averaged, MNLI = mean of m/mm): "
+              f"{glue:.2f}" + ("" if complete else f" — PARTIAL, {len(task_scores)} of 9 tasks, not comparable"))
+    md.append(f"BERT paper average (no WNLI; MNLI-m, MNLI-mm, F1 for MRPC/QQP, Spearman for STS-B): {paper:.2f}"
+              + ("" if paper_complete else " — PARTIAL"))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=cols)
+    writer.writeheader()
+    writer.writerows(rows)
+    return rows, "\n".join(md) + "\n", out.getvalue()
