@@ -209,6 +209,16 @@ class _PageHandler:
                                redirect=self.redirect, text=text, num_bytes=num_bytes, truncated=truncated))
 
 
+def _parser(handler: _PageHandler):
+    parser = xml.parsers.expat.ParserCreate()
+    parser.buffer_text = True
+    parser.buffer_size = 1 << 16
+    parser.StartElementHandler = handler.start
+    parser.EndElementHandler = handler.end
+    parser.CharacterDataHandler = handler.data
+    return parser
+
+
 def iter_pages(unit: ReadUnit | str, *, max_page_bytes: int = 4_000_000) -> Iterator[Page]:
     """Pages of one dump (or one byte range of a multistream dump), in file order, streamed.
 
@@ -218,12 +228,7 @@ def iter_pages(unit: ReadUnit | str, *, max_page_bytes: int = 4_000_000) -> Iter
     if isinstance(unit, str):
         unit = ReadUnit(unit)
     handler = _PageHandler(max_page_bytes)
-    parser = xml.parsers.expat.ParserCreate()
-    parser.buffer_text = True
-    parser.buffer_size = 1 << 16
-    parser.StartElementHandler = handler.start
-    parser.EndElementHandler = handler.end
-    parser.CharacterDataHandler = handler.data
+    parser = _parser(handler)
     where = unit.uri if not unit.is_range else f"{unit.uri} [bytes {unit.start}-{unit.end}]"
 
     def fail(what: str, exc: Exception) -> StageInputError:

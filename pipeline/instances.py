@@ -62,6 +62,12 @@ class Spans:
     a_doc: list[int] = field(default_factory=list)
     b_doc: list[int] = field(default_factory=list)
 
+    def add(self, *values: int) -> None:
+        """Append one instance: a_lo, a_hi, b_lo, b_hi, is_random, a_doc, b_doc."""
+        for column, value in zip((self.a_lo, self.a_hi, self.b_lo, self.b_hi, self.is_random, self.a_doc,
+                                  self.b_doc), values):
+            column.append(value)
+
 
 def _randint(rng: random.Random, lo: int, hi: int) -> int:
     """Uniform integer in [lo, hi]; random.randint's rejection sampling costs 10x more and buys nothing here."""
@@ -136,33 +142,33 @@ def instances_from_document(
                 chunk_start = i + 1
                 continue
         if random_next:
-            target_b_length = target_seq_length - (a_hi - a_lo)
-            # The original retries ten times to avoid doc_index and keeps the NotNext label even if it failed;
-            # drawing from the other documents directly is always right.
-            r = _randint(rng, 0, num_docs - 2)
-            b_doc = r + 1 if r >= doc_index else r
-            rdoc = bounds[b_doc]
-            random_start = _randint(rng, 0, len(rdoc) - 2)
-            b_lo = rdoc[random_start]
-            # First sentence end at which B reaches target_b_length (or the document's end).
-            k = bisect.bisect_left(rdoc, b_lo + target_b_length, random_start + 1)
-            b_hi = rdoc[min(k, len(rdoc) - 1)]
+            b_doc, b_lo, b_hi = _random_b(bounds, doc_index, target_seq_length - (a_hi - a_lo), rng)
             # The sentences of the chunk after A were not used: put them back for the next chunk.
             i -= num_chunk - a_end
         else:
             b_doc = doc_index
             b_lo, b_hi = a_hi, doc[i + 1]
         a_lo, a_hi, b_lo, b_hi = _truncate_pair(a_lo, a_hi, b_lo, b_hi, max_num_tokens, rng)
-        out.a_lo.append(a_lo)
-        out.a_hi.append(a_hi)
-        out.b_lo.append(b_lo)
-        out.b_hi.append(b_hi)
-        out.is_random.append(int(random_next))
-        out.a_doc.append(doc_index)
-        out.b_doc.append(b_doc)
+        out.add(a_lo, a_hi, b_lo, b_hi, int(random_next), doc_index, b_doc)
         stats.num_instances += 1
         stats.num_random_next += int(random_next)
         chunk_start = i + 1
+
+
+def _random_b(bounds: list[list[int]], doc_index: int, target_b_length: int,
+              rng: random.Random) -> tuple[int, int, int]:
+    """(document, first token, end token) of a NotNext B segment: sentences from a random *other* document.
+
+    The original retries ten times to avoid doc_index and keeps the NotNext label even if it failed; drawing
+    from the other documents directly is always right."""
+    r = _randint(rng, 0, len(bounds) - 2)
+    b_doc = r + 1 if r >= doc_index else r
+    rdoc = bounds[b_doc]
+    random_start = _randint(rng, 0, len(rdoc) - 2)
+    b_lo = rdoc[random_start]
+    # First sentence end at which B reaches target_b_length (or the document's end).
+    k = bisect.bisect_left(rdoc, b_lo + target_b_length, random_start + 1)
+    return b_doc, b_lo, rdoc[min(k, len(rdoc) - 1)]
 
 
 def create_spans(

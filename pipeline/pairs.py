@@ -285,6 +285,29 @@ def _write_length(ctx, cfg, train, heldout, length, meta, vocab_size, seed, pair
     }
 
 
+def _tokenized_split(ctx: StageContext, cfg: PairsConfig, files: list[str], vocab_uri: str, lowercase: bool,
+                     started: float):
+    """(shuffled training documents, held-out documents, document count, token count), tokenized."""
+    tokenized = read_documents(files).map_batches(
+        tokenize_batch, batch_size=cfg.docs_per_tokenize_batch, batch_format="pyarrow",
+        fn_kwargs={"vocab_uri": vocab_uri, "lowercase": lowercase}).materialize()
+    num_docs = tokenized.count()
+    corpus_tokens = int(tokenized.map_batches(
+        lambda b: pa.table({"n": [len(b.column("tokens").combine_chunks().values)]}), batch_format="pyarrow"
+    ).sum("n") or 0)
+    log.info("pairs: tokenized %d documents, %d tokens (%.0f tokens/s)", num_docs, corpus_tokens,
+             corpus_tokens / max(time.time() - started, 1e-9))
+    train = tokenized.map_batches(select_heldout, batch_format="pyarrow",
+                                  fn_kwargs={"fraction": cfg.heldout_fraction, "heldout": False})
+    heldout = tokenized.map_batches(select_heldout, batch_format="pyarrow",
+                                    fn_kwargs={"fraction": cfg.heldout_fraction, "heldout": True}).materialize()
+    # Shuffle documents across partitions: each pairing pool becomes a random sample of the corpus, so the
+    # NotNext draw is close to the original's whole-corpus draw while memory stays one partition.
+    train = train.random_shuffle(seed=derive_seed(ctx.seed, "pairs", "shuffle") % 2**32).materialize()
+    log.info("pairs: %d training documents shuffled, %d held out", train.count(), heldout.count())
+    return train, heldout, num_docs, corpus_tokens
+
+
 def run_stage(ctx: StageContext) -> StageResult:
     from ray.data import DataContext
 
@@ -301,24 +324,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     saved_order = data_ctx.execution_options.preserve_order
     data_ctx.execution_options.preserve_order = True  # same seed -> same blocks in the same order -> same bytes
     try:
-        docs = read_documents(files)
-        tokenized = docs.map_batches(tokenize_batch, batch_size=cfg.docs_per_tokenize_batch, batch_format="pyarrow",
-                                     fn_kwargs={"vocab_uri": vocab_uri, "lowercase": lowercase}).materialize()
-        num_docs = tokenized.count()
-        corpus_tokens = int(tokenized.map_batches(
-            lambda b: pa.table({"n": [len(b.column("tokens").combine_chunks().values)]}), batch_format="pyarrow"
-        ).sum("n") or 0)
-        tokenize_seconds = time.time() - started
-        log.info("pairs: tokenized %d documents, %d tokens (%.0f tokens/s)", num_docs, corpus_tokens,
-                 corpus_tokens / max(tokenize_seconds, 1e-9))
-        train = tokenized.map_batches(select_heldout, batch_format="pyarrow",
-                                      fn_kwargs={"fraction": cfg.heldout_fraction, "heldout": False})
-        heldout = tokenized.map_batches(select_heldout, batch_format="pyarrow",
-                                        fn_kwargs={"fraction": cfg.heldout_fraction, "heldout": True}).materialize()
-        # Shuffle documents across partitions: each pairing pool becomes a random sample of the corpus, so the
-        # NotNext draw is close to the original's whole-corpus draw while memory stays one partition.
-        train = train.random_shuffle(seed=derive_seed(ctx.seed, "pairs", "shuffle") % 2**32).materialize()
-        log.info("pairs: %d training documents shuffled, %d held out", train.count(), heldout.count())
+        train, heldout, num_docs, corpus_tokens = _tokenized_split(ctx, cfg, files, vocab_uri, lowercase, started)
         meta_common = dict(vocab_hash=v_hash, vocab_size=len(tokens_list), do_lower_case=lowercase,
                            special_ids=specials)
         pair_kwargs = dict(short_seq_prob=cfg.short_seq_prob, cls_id=specials["[CLS]"], sep_id=specials["[SEP]"],
