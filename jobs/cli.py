@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from bertpipe.jobs.configtools import ConfigError
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -35,7 +36,6 @@ def _log_file(workdir: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.setLevel(logging.DEBUG)
     logging.getLogger().addHandler(handler)
     return path
 
@@ -50,24 +50,34 @@ def _resume_command(args, stage: str) -> str:
 
 
 def cmd_run(args) -> int:
-    from bertpipe.jobs import workflow
+    from bertpipe.jobs import console, workflow
+    from bertpipe.jobs.config import resolved_tracking_uri
+    from bertpipe.pipeline import progress
 
     cfg = _config(args)
     only = [s for part in (args.only or []) for s in part.split(",") if s]
-    workflow.preflight(cfg, workflow.select(only or None, args.start))  # bad input: one line, nothing written
+    selected = workflow.select(only or None, args.start)
+    workflow.preflight(cfg, selected)  # bad input: one line, nothing written
     log_path = _log_file(cfg.workdir)
+    config_name = Path(args.config).stem
+    console.header(cfg, config_name, resolved_tracking_uri(cfg), selected, log_path)
+    progress.enable(True)
     try:
-        summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force)
+        summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force, verbose=args.verbose,
+                               config_name=config_name)
     except workflow.StageFailed as exc:
-        logging.getLogger("bertpipe").error("%s", exc, exc_info=exc.cause)
-        print(f"bertpipe: stage {exc.stage} failed: {_first_line(exc.cause)}", file=sys.stderr)
+        # INFO: into the log file with its traceback; the console gets the three lines below instead.
+        logging.getLogger("bertpipe").info("%s", exc, exc_info=exc.cause)
+        console.error(f"stage {exc.stage} failed: {_first_line(exc.cause)}")
         if log_path:
-            print(f"bertpipe: full log, with the traceback: {log_path}", file=sys.stderr)
-        print(f"bertpipe: after fixing it, resume with: {_resume_command(args, exc.stage)}", file=sys.stderr)
+            console.error(f"full log, with the traceback: {log_path}")
+        console.error(f"after fixing it, resume with: {_resume_command(args, exc.stage)}")
         return 2 if isinstance(exc.cause, (ConfigError, StageInputError)) else 1
-    for row in summary:
-        extra = f"{row['seconds']:.1f} s" if row.get("seconds") is not None else "fresh"
-        print(f"{row['stage']:<9} {row['action']:<8} rows={row['rows']}  {extra}")
+    console.summary(summary)
+    report = WorkdirPaths(cfg.workdir).stage("finetune")
+    if "finetune" in selected and "://" not in report and os.path.isfile(os.path.join(report, "summary.md")):
+        with open(os.path.join(report, "summary.md")) as f:
+            console.glue_table(f.read())
     return 0
 
 
@@ -106,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", metavar="STAGE[,STAGE...]", help="run just these stages")
     p.add_argument("--from", dest="start", metavar="STAGE", help="run this stage and every later one")
     p.add_argument("--force", action="store_true", help="rerun the selected stages even if fresh")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="show Ray's, Ray Data's and the workers' own output too")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("status", help="state of every stage: fresh / stale / missing")
@@ -127,13 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    _configure_logging(args.verbose)
     try:
         return args.func(args)
     except (ConfigError, StageInputError, ValueError) as exc:
         print(f"bertpipe: error: {_first_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Console: warnings (everything with --verbose); the run's log file gets everything (see _log_file)."""
+    if not verbose:
+        # Read when MLflow and Ray Data set up their own loggers (they install handlers of their own).
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("RAY_DATA_LOG_LEVEL", "ERROR")
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    for name in ("alembic", "mlflow", "urllib3", "filelock", "fsspec"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
 
 
 def _first_line(exc: BaseException) -> str:

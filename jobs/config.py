@@ -23,7 +23,8 @@ class RayConfig:
     # Logical CPUs of the local Ray. More than the physical cores on purpose: training workers hold their CPU
     # for the whole run, and Ray Data read/map tasks still need free logical CPUs to make progress.
     num_cpus: int = 4
-    dashboard: bool = False
+    # The local Ray's dashboard, on 127.0.0.1 (its URL is printed): jobs, Ray Data and Ray Train pages.
+    dashboard: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,8 @@ class MlflowConfig:
     tracking_uri: str = ""
     experiment: str = "bertpipe"
     run_name: str = ""
+    # Model registry name of the pre-trained model; empty = bertpipe-<config name> (one name per config).
+    registered_model: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

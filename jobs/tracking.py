@@ -103,6 +103,49 @@ class RunLogger:
         if self.active:
             self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
+    def log_torch_model(self, model, registered_name: str) -> str:
+        """Log a torch module as an MLflow model of this run and register it under `registered_name`; returns
+        the model URI ("" when inactive). The fluent API is the only way MLflow logs models: it is confined here,
+        bound to this run and this tracking URI for the duration of the call."""
+        if not self.active:
+            return ""
+        import mlflow
+        import mlflow.pytorch
+
+        import torch
+
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.coordinates["tracking_uri"])
+        try:
+            with mlflow.start_run(run_id=self.run_id):
+                # Explicit requirements: inferring them imports and inspects the whole environment (slow).
+                info = mlflow.pytorch.log_model(model, name="model", registered_model_name=registered_name,
+                                                serialization_format="pickle",
+                                                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        finally:
+            mlflow.set_tracking_uri(previous)
+        return info.model_uri
+
+    def system_metrics(self):
+        """A started monitor of CPU / memory / GPU use logged into this run (`.finish()` it), or None."""
+        if not self.active:
+            return None
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=5, tracking_uri=self.coordinates["tracking_uri"])
+        monitor.start()
+        return monitor
+
+    def fail(self, exc: BaseException, traceback_text: str) -> None:
+        """Mark the run FAILED with the error as a tag and the traceback as an artifact."""
+        self.set_tag("bertpipe.error", f"{type(exc).__name__}: {exc}"[:5000])
+        self.log_bytes(traceback_text.encode(), "traceback.txt")
+        self.end(False)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.set_tag(key, value)
+
     def set_tag(self, key: str, value: str) -> None:
         if self.active:
             self.client.set_tag(self.run_id, key, value)

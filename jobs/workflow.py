@@ -15,10 +15,12 @@ import logging
 import os
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from bertpipe.jobs import console
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.pipeline import storage
@@ -41,6 +43,7 @@ class Stage:
     # upstream stage -> the config field ("section.key") that names that input explicitly instead
     explicit: tuple[tuple[str, str], ...] = ()
     check: str = ""                # "module:function(StageContext)": stage-specific preflight, raises on bad input
+    training: bool = False         # MLflow system metrics (CPU, memory, GPU) are logged while it runs
 
 
 STAGES: tuple[Stage, ...] = (
@@ -50,9 +53,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.pairs:run_stage",
           explicit=(("clean", "pairs.input"), ("vocab", "vocab.path"))),
     Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
-          explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")), check="bertpipe.jobs.pretrain.stage:preflight"),
+          explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")), check="bertpipe.jobs.pretrain.stage:preflight",
+          training=True),
     Stage("finetune", ("finetune",), ("pretrain",), "bertpipe.jobs.finetune.stage:run_stage", "bertpipe.jobs.finetune.stage:describe_raw_inputs",
-          explicit=(("pretrain", "finetune.init"),), check="bertpipe.jobs.finetune.stage:preflight"),
+          explicit=(("pretrain", "finetune.init"),), check="bertpipe.jobs.finetune.stage:preflight", training=True),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -75,13 +79,26 @@ def stage_uri(cfg: RootConfig, name: str) -> str:
     return WorkdirPaths(cfg.workdir).stage(name)
 
 
-def code_version() -> str:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5)
-        return out.stdout.strip() or "unknown"
+        out = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).resolve().parent,
+                             timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return None
+
+
+def git_tags() -> dict[str, str]:
+    """The code a run used: commit and whether the tree had uncommitted changes ("unknown" outside git)."""
+    commit = _git("rev-parse", "--short", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {"bertpipe.git_commit": commit or "unknown",
+            "bertpipe.git_dirty": "unknown" if dirty is None else str(bool(dirty)).lower()}
+
+
+def code_version() -> str:
+    tags = git_tags()
+    return tags["bertpipe.git_commit"] + ("-dirty" if tags["bertpipe.git_dirty"] == "true" else "")
 
 
 def stage_config(cfg: RootConfig, stage: Stage) -> dict[str, Any]:
@@ -205,13 +222,15 @@ def preflight(cfg: RootConfig, selected: list[str]) -> dict[str, Plan]:
     return plans
 
 
-def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: RunLogger | None = None
-             ) -> StageContext:
+def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: RunLogger | None = None,
+             registered: str = "") -> StageContext:
     run = run or RunLogger(None)
     paths = WorkdirPaths(cfg.workdir)
+    # registered_model: the name the pre-trained model is registered under in MLflow's model registry.
+    tracking = {**run.coordinates, "registered_model": registered} if run.active else {}
     return StageContext(
         name=stage.name, output_uri=paths.stage(stage.name), config=stage_config(cfg, stage), seed=cfg.seed,
-        inputs=inputs, log_metrics=run.log_metrics, tracking=run.coordinates if run.active else {}, paths=paths)
+        inputs=inputs, log_metrics=run.log_metrics, tracking=tracking, paths=paths)
 
 
 def status(cfg: RootConfig) -> list[dict[str, Any]]:
@@ -246,68 +265,99 @@ def status(cfg: RootConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = None,
-        force: bool = False) -> list[dict[str, Any]]:
+HEADLINE = {"pretrain": ("loss", "mlm_accuracy", "nsp_accuracy", "eval_mlm_accuracy", "eval_nsp_accuracy"),
+            "finetune": ("glue_score", "bert_paper_average")}
+
+
+def headline_metrics(cfg: RootConfig) -> dict[str, float]:
+    """What two workflow runs are compared by, from the committed manifests: pre-training's final loss and
+    held-out accuracies, the best dev score of every GLUE task and the GLUE average."""
+    out: dict[str, float] = {}
+    for stage, names in HEADLINE.items():
+        metrics = (read_manifest(stage_uri(cfg, stage)) or {}).get("metrics", {})
+        out.update({f"{stage}.{n}": metrics[n] for n in names if isinstance(metrics.get(n), (int, float))})
+        if stage == "finetune":
+            out.update({f"glue.{k[4:]}": v for k, v in metrics.items() if k.startswith("dev.")})
+    return out
+
+
+def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = None, force: bool = False,
+        verbose: bool = False, config_name: str = "") -> list[dict[str, Any]]:
     """Run the selected stages in order; returns one summary row per stage (ran / skipped).
 
     Raises StageInputError / ValueError from the preflight (nothing started) or StageFailed (a stage raised)."""
     selected = select(only, start)
     plans = preflight(cfg, selected)
+    name = config_name or "custom"
     parent = start_workflow_run(resolved_tracking_uri(cfg), cfg.mlflow.experiment,
-                                cfg.mlflow.run_name or f"workflow {time.strftime('%Y-%m-%d %H:%M:%S')}",
-                                config_as_dict(cfg), {"bertpipe.stages": ",".join(selected)},
+                                cfg.mlflow.run_name or f"{name} {time.strftime('%Y-%m-%d %H:%M:%S')}",
+                                config_as_dict(cfg), {"bertpipe.stages": ",".join(selected),
+                                                      "bertpipe.config": name, **git_tags()},
                                 artifact_root=WorkdirPaths(cfg.workdir).mlflow_artifacts)
+    registered = cfg.mlflow.registered_model or f"bertpipe-{name}"
     summary: list[dict[str, Any]] = []
     ok = False
     try:
-        for name in selected:
-            summary.append(_run_or_skip(cfg, plans[name], parent, force))
+        for k, stage_name in enumerate(selected, 1):
+            summary.append(_run_or_skip(cfg, plans[stage_name], parent, force, (k, len(selected)), verbose,
+                                        registered))
             # Downstream plans read this stage's fresh manifest (a new output id makes them stale).
             for later in plans.values():
-                if name in later.inputs and not later.inputs[name].explicit:
-                    later.inputs[name] = StageInput(name, stage_uri(cfg, name), read_manifest(stage_uri(cfg, name)))
+                if stage_name in later.inputs and not later.inputs[stage_name].explicit:
+                    uri = stage_uri(cfg, stage_name)
+                    later.inputs[stage_name] = StageInput(stage_name, uri, read_manifest(uri))
         ok = True
     finally:
+        parent.log_metrics(headline_metrics(cfg))
+        parent.set_tag("bertpipe.status", "succeeded" if ok else "failed")
         parent.end(ok)
     return summary
 
 
-def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool) -> dict[str, Any]:
+def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, position: tuple[int, int],
+                 verbose: bool, registered: str) -> dict[str, Any]:
     stage = plan.stage
     fp = plan.fingerprint(cfg)
-    run = parent.child(stage.name, {"bertpipe.kind": "stage", "bertpipe.stage": stage.name})
+    run = parent.child(stage.name, {"bertpipe.kind": "stage", "bertpipe.stage": stage.name, **git_tags()})
     run.log_params({**stage_config(cfg, stage), "seed": cfg.seed})
     uri = stage_uri(cfg, stage.name)
     current = read_manifest(uri)
-    if current is not None and current.get("fingerprint") == fp and not force and not missing_outputs(uri, current):
-        log.info("stage %-8s fresh (fingerprint %s), skipped", stage.name, fp[:12])
+    gone = missing_outputs(uri, current) if current else []
+    if current is not None and current.get("fingerprint") == fp and not force and not gone:
+        console.stage(*position, stage.name, f"fresh (fingerprint {fp[:12]}), skipped")
         run.set_tag("bertpipe.skipped", "fresh")
         run.log_metrics({"num_rows": current.get("num_rows", 0), "skipped": 1})
         run.log_dict(current, "_MANIFEST.json")
         run.end(True)
         return {"stage": stage.name, "action": "skipped", "rows": current.get("num_rows")}
+    console.stage(*position, stage.name, "running" if current is None else "rerunning (" + (
+        "--force" if force else "broken: outputs missing" if gone else "stale: config or inputs changed") + ")")
+    monitor = run.system_metrics() if stage.training else None
     try:
-        manifest = _run_stage(cfg, plan, fp, run)
+        manifest = _run_stage(cfg, plan, fp, run, verbose, registered)
     except BaseException as exc:
-        run.end(False)
+        run.fail(exc, traceback.format_exc())
         if isinstance(exc, Exception):
             raise StageFailed(stage.name, exc) from exc
         raise
+    finally:
+        if monitor is not None:
+            monitor.finish()
     return {"stage": stage.name, "action": "ran", "rows": manifest["num_rows"], "seconds": manifest["seconds"]}
 
 
-def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger) -> dict[str, Any]:
+def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bool,
+               registered: str) -> dict[str, Any]:
     from bertpipe.jobs.cluster import ensure_ray
 
     stage = plan.stage
     uri = stage_uri(cfg, stage.name)
-    log.info("stage %-8s running -> %s", stage.name, uri)
     started = time.time()
     # Emptying the folder removes the old manifest first: from here until the new one is written the folder
     # reads as incomplete, so a crash can never leave a committed half-output.
     storage.reset_dir(uri)
-    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard)
-    ctx = _context(cfg, stage, plan.inputs, run)
+    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
+    ctx = _context(cfg, stage, plan.inputs, run, registered)
     result = _load(stage.run)(ctx)
     explicit = [r for ids in plan.explicit_ids.values() for r in ids]
     result.raw_inputs = (result.raw_inputs or plan.raw) + explicit
@@ -322,10 +372,10 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger) -> dict[str
     logged = run.logged_metric_names()
     final = {**result.metrics, "num_rows": manifest["num_rows"], "num_bytes": manifest["num_bytes"],
              "seconds": manifest["seconds"]}
-    run.log_metrics({k: v for k, v in final.items() if k not in logged})
+    run.log_metrics({k: v for k, v in final.items() if k not in logged}, result.final_step)
     run.log_dict(manifest, "_MANIFEST.json")
     run.end(True)
-    log.info("stage %-8s done: %s rows in %.1f s", stage.name, manifest["num_rows"], manifest["seconds"])
+    console.say(f"  {stage.name} done: {manifest['num_rows']:,} rows in {manifest['seconds']:.1f} s")
     return manifest
 
 

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.config import CleanConfig
 from bertpipe.pipeline.identity import describe_file
+from bertpipe.pipeline.progress import Reporter, remote_progress
 from bertpipe.pipeline.dump_reader import ReadUnit, expand_inputs, iter_pages, plan_units
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 from bertpipe.pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
@@ -82,7 +83,7 @@ def clean_pages_batch(batch: dict[str, np.ndarray], *, min_paragraph_chars: int,
 
 
 def read_and_clean_unit(unit: dict[str, Any], *, max_page_bytes: int, pages_per_batch: int,
-                        **clean_kwargs: Any) -> Iterator[dict[str, Any]]:
+                        progress: Reporter | None = None, **clean_kwargs: Any) -> Iterator[dict[str, Any]]:
     """flat_map: read one unit and clean its pages `pages_per_batch` at a time, in the same task, so raw wikitext
     never goes through the object store (two operators were not fused by Ray Data and moved every page twice)."""
     def cleaned(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -92,6 +93,8 @@ def read_and_clean_unit(unit: dict[str, Any], *, max_page_bytes: int, pages_per_
         for k in ("redirect", "truncated"):
             batch[k] = batch[k].astype(bool)
         out = clean_pages_batch(batch, **clean_kwargs)
+        if progress is not None:
+            progress.add(float(batch["num_bytes"].sum()) / 1e6)
         keys = list(out)
         for values in zip(*(out[k] for k in keys)):
             yield dict(zip(keys, values))
@@ -143,9 +146,23 @@ def _write_documents(ds, output_uri: str, rows_per_file: int) -> list[str]:
     return names
 
 
-def run_stage(ctx: StageContext) -> StageResult:
+def _read_and_clean(units: list[ReadUnit], cfg: CleanConfig):
+    """Every unit read and cleaned by Ray Data tasks (materialized: the counts and the sort read it twice)."""
     import ray
 
+    with remote_progress("clean", None, "MB wikitext") as progress:
+        ds = ray.data.from_items([{"uri": u.uri, "start": u.start, "end": u.end} for u in units],
+                                 override_num_blocks=len(units))
+        ds = ds.flat_map(read_and_clean_unit, concurrency=cfg.num_read_workers or None,
+                         fn_kwargs={"max_page_bytes": cfg.max_page_bytes, "pages_per_batch": cfg.pages_per_batch,
+                                    "min_paragraph_chars": cfg.min_paragraph_chars,
+                                    "min_article_chars": cfg.min_article_chars,
+                                    "skip_disambiguation": cfg.skip_disambiguation, "progress": progress})
+        ds.set_name("clean: read + clean pages")  # what the Ray dashboard's Data page shows
+        return ds.materialize()
+
+
+def run_stage(ctx: StageContext) -> StageResult:
     cfg: CleanConfig = ctx.config["clean"]
     started = time.perf_counter()
     raw_inputs = describe_raw_inputs(cfg)
@@ -155,14 +172,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("clean: %d dump(s), %d read unit(s)", len(raw_inputs), len(units))
 
     try:
-        ds = ray.data.from_items([{"uri": u.uri, "start": u.start, "end": u.end} for u in units],
-                                 override_num_blocks=len(units))
-        ds = ds.flat_map(read_and_clean_unit, concurrency=cfg.num_read_workers or None,
-                         fn_kwargs={"max_page_bytes": cfg.max_page_bytes, "pages_per_batch": cfg.pages_per_batch,
-                                    "min_paragraph_chars": cfg.min_paragraph_chars,
-                                    "min_article_chars": cfg.min_article_chars,
-                                    "skip_disambiguation": cfg.skip_disambiguation})
-        pages = ds.materialize()
+        pages = _read_and_clean(units, cfg)
         counts: Counter[str] = Counter()
         per_source: Counter[str] = Counter()
         num_bytes = truncated = 0

@@ -27,6 +27,7 @@ from bertpipe.pipeline.instances import PairStats, create_spans, derive_seed, ga
 from bertpipe.pipeline.sentences import split_sentences
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 from bertpipe.pipeline.documents import document_files, read_documents
+from bertpipe.pipeline.progress import Reporter, remote_progress
 from bertpipe.pipeline.vocab import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
 
 log = logging.getLogger(__name__)
@@ -180,9 +181,11 @@ def pair_table(flat: np.ndarray, bounds: list[list[int]], *, max_seq_length: int
 # ----------------------------------------------------------------------------------- Ray Data map functions
 
 
-def tokenize_batch(batch: pa.Table, *, vocab_uri: str, lowercase: bool) -> pa.Table:
+def tokenize_batch(batch: pa.Table, *, vocab_uri: str, lowercase: bool, progress: Reporter | None = None) -> pa.Table:
     """map_batches: clean documents (id, text) -> (id, tokens, bounds) with per-document bounds from 0."""
     flat, bounds = encode_documents(batch.column("text").to_pylist(), cached_tokenizers(vocab_uri, lowercase), lowercase)
+    if progress is not None:
+        progress.add(batch.num_rows)
     doc_start = np.array([b[0] for b in bounds] + [flat.size], dtype=np.int32)
     local_bounds = [[x - b[0] for x in b] for b in bounds]
     return pa.table({
@@ -198,8 +201,10 @@ def select_heldout(batch: pa.Table, *, fraction: float, heldout: bool) -> pa.Tab
 
 
 def pair_batch(batch: pa.Table, *, seed: int, max_seq_length: int, short_seq_prob: float, dupe_factor: int,
-               cls_id: int, sep_id: int, vocab_size: int) -> pa.Table:
+               cls_id: int, sep_id: int, vocab_size: int, progress: Reporter | None = None) -> pa.Table:
     """map_batches: a pool of tokenized documents -> instances (+ per-batch counters in STAT_COLUMNS)."""
+    if progress is not None:
+        progress.add(batch.num_rows)
     tokens = batch.column("tokens").combine_chunks()
     flat = tokens.values.to_numpy(zero_copy_only=False)
     starts = tokens.offsets.to_numpy()[:-1] - tokens.offsets[0].as_py()
@@ -251,8 +256,12 @@ def _write_length(ctx, cfg, train, heldout, length, meta, vocab_size, seed, pair
     out_dir = storage.join(ctx.output_uri, shards.seq_dir(length))
     write = ray.remote(_write_shard_task)
 
-    instances = train.map_batches(pair_batch, batch_size=cfg.docs_per_partition, batch_format="pyarrow",
-                                  fn_kwargs=dict(kwargs, seed=seed, dupe_factor=cfg.dupe_factor)).materialize()
+    with remote_progress(f"pairs seq {length}", train.count(), "docs") as progress:
+        instances = train.map_batches(
+            pair_batch, batch_size=cfg.docs_per_partition, batch_format="pyarrow",
+            fn_kwargs=dict(kwargs, seed=seed, dupe_factor=cfg.dupe_factor, progress=progress))
+        instances.set_name(f"pairs: instances seq {length}")
+        instances = instances.materialize()
     total = instances.count()
     rows = total // cfg.num_shards
     if rows == 0:
@@ -288,9 +297,13 @@ def _write_length(ctx, cfg, train, heldout, length, meta, vocab_size, seed, pair
 def _tokenized_split(ctx: StageContext, cfg: PairsConfig, files: list[str], vocab_uri: str, lowercase: bool,
                      started: float):
     """(shuffled training documents, held-out documents, document count, token count), tokenized."""
-    tokenized = read_documents(files).map_batches(
-        tokenize_batch, batch_size=cfg.docs_per_tokenize_batch, batch_format="pyarrow",
-        fn_kwargs={"vocab_uri": vocab_uri, "lowercase": lowercase}).materialize()
+    known = (ctx.input("clean").manifest or {}).get("num_rows")  # documents, when the clean stage made them
+    with remote_progress("pairs tokenize", known, "docs") as progress:
+        tokenized = read_documents(files).map_batches(
+            tokenize_batch, batch_size=cfg.docs_per_tokenize_batch, batch_format="pyarrow",
+            fn_kwargs={"vocab_uri": vocab_uri, "lowercase": lowercase, "progress": progress})
+        tokenized.set_name("pairs: tokenize")  # what the Ray dashboard's Data page shows
+        tokenized = tokenized.materialize()
     num_docs = tokenized.count()
     corpus_tokens = int(tokenized.map_batches(
         lambda b: pa.table({"n": [len(b.column("tokens").combine_chunks().values)]}), batch_format="pyarrow"

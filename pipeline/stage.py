@@ -79,6 +79,8 @@ class StageResult:
     # Paths (relative to the output folder) that downstream stages or users rely on. The manifest is written only
     # if all of them exist; a later check that finds one gone makes the stage broken, never fresh.
     outputs: list[str] = field(default_factory=list)
+    # The step its final figures belong to in MLflow (pre-training: the last optimizer step).
+    final_step: int | None = None
 
 
 def manifest_uri(output_uri: str) -> str:

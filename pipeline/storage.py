@@ -112,3 +112,15 @@ def upload_dir(local_dir: str, uri: str) -> None:
     fs, path = resolve(uri)
     fs.create_dir(path, recursive=True)
     pafs.copy_files(local_dir, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
+def copy_tree(src_uri: str, dst_uri: str) -> None:
+    """Copy every file under `src_uri` to the same relative path under `dst_uri` (any two supported stores)."""
+    for rel, _ in list_files(src_uri):
+        write_bytes(join(dst_uri, *rel.split(os.sep)), read_bytes(join(src_uri, rel)))
+
+
+def delete_dir(uri: str) -> None:
+    fs, path = resolve(uri)
+    if fs.get_file_info(path).type == pafs.FileType.Directory:
+        fs.delete_dir(path)

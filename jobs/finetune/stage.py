@@ -26,6 +26,7 @@ from bertpipe.jobs.finetune.trial import TrialParams, TrialResult, run_trial
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.identity import describe_file
+from bertpipe.pipeline.progress import Progress
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.finetune")
@@ -122,14 +123,20 @@ def trial_seed(workflow_seed: int, task: str, seed: int) -> int:
     return int(digest[:8], 16)
 
 
-def _trial_body(model_files: dict[str, bytes], data, params: TrialParams, coordinates: dict[str, str]) -> TrialResult:
-    """What one Ray task runs: materialise the checkpoint locally, fine-tune, log epochs to the trial's run."""
+def _trial_body(model_files: dict[str, bytes], data, params: TrialParams, coordinates: dict[str, str],
+                save_uri: str = "") -> TrialResult:
+    """What one Ray task runs: materialise the checkpoint locally, fine-tune, log epochs to the trial's run, and
+    (with `save_uri`) keep the fine-tuned model there."""
     run = RunLogger(coordinates)
     with tempfile.TemporaryDirectory(prefix="bertpipe-ft-") as tmp:
         for name, blob in model_files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(blob)
-        return run_trial(tmp, data, params, lambda epoch, row: run.log_metrics(row, step=epoch))
+        saved = os.path.join(tmp, "fine-tuned") if save_uri else None
+        result = run_trial(tmp, data, params, lambda epoch, row: run.log_metrics(row, step=epoch), saved)
+        if saved:
+            storage.upload_dir(saved, save_uri)
+        return result
 
 
 @dataclass
@@ -150,7 +157,9 @@ def run_trials(trials: list[Trial], cfg: FinetuneConfig) -> list[TrialResult | B
     limit = cfg.max_concurrent_trials or len(trials)
     results: list[Any] = [None] * len(trials)
     running: dict[Any, int] = {}
-    next_trial = 0
+    next_trial, best = 0, {}
+    progress = Progress("finetune", len(trials), "trials", lambda f: "best " + " ".join(
+        f"{task} {100 * score:.1f}" for task, score in f.items()) if f else "")
     while next_trial < len(trials) or running:
         while next_trial < len(trials) and len(running) < limit:
             running[remote.remote(*trials[next_trial].args)] = next_trial
@@ -159,11 +168,14 @@ def run_trials(trials: list[Trial], cfg: FinetuneConfig) -> list[TrialResult | B
         i = running.pop(ready[0])
         try:
             results[i] = ray.get(ready[0])
-            log.info("finetune: trial %s done: score %.4f (%d/%d)", trials[i].key, results[i].score,
-                     sum(r is not None for r in results), len(trials))
+            task = trials[i].outcome.spec.name
+            best[task] = max(best.get(task, float("-inf")), results[i].score)
+            log.info("finetune: trial %s done: score %.4f", trials[i].key, results[i].score)
         except Exception as e:  # noqa: BLE001 - one trial failing must not stop the sweep
             results[i] = e
             log.warning("finetune: trial %s failed: %s", trials[i].key, e)
+        progress.add(1, **best)
+    progress.close()
     return results
 
 
@@ -201,19 +213,41 @@ def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, 
             run = task_run.child(f"{name}-lr{lr:g}-seed{seed}", {"bertpipe.kind": "glue_trial"})
             run.log_params({"learning_rate": lr, "seed": params.seed, "task": name, "sweep_seed": seed,
                             "device": params.device, "recipe": cfg})
-            trials.append(Trial(f"{name}/lr={lr:g}/seed={seed}", outcome, run,
-                                (model_ref, data_ref, params, run.coordinates if run.active else {})))
+            key = f"{name}/lr={lr:g}/seed={seed}"
+            trials.append(Trial(key, outcome, run, (model_ref, data_ref, params, run.coordinates if run.active else {},
+                                                    storage.join(ctx.output_uri, "trials", *key.split("/")))))
     return outcome, trials
 
 
-def log_outcomes(outcomes: list[TaskOutcome], parent: RunLogger, metrics: dict[str, float], files: dict[str, bytes]):
+def keep_best_models(out_uri: str, trials: list[Trial]) -> list[str]:
+    """The best trial's fine-tuned model of each task moves to models/<task>/; the other trials' are deleted.
+    Returns the kept files, relative to the stage folder."""
+    kept = []
+    for trial in trials:
+        best = trial.outcome.best
+        if best is not None and trial.outcome.trials and trial.args[2].learning_rate == best.learning_rate \
+                and trial.args[2].seed == best.seed:
+            target = storage.join(out_uri, "models", trial.outcome.spec.name)
+            storage.copy_tree(trial.args[4], target)
+            kept += [f"models/{trial.outcome.spec.name}/{rel}" for rel, _ in storage.list_files(target)]
+    storage.delete_dir(storage.join(out_uri, "trials"))
+    return kept
+
+
+def log_outcomes(outcomes: list[TaskOutcome], parent: RunLogger, metrics: dict[str, float], files: dict[str, bytes],
+                 out_uri: str):
     for o in outcomes:
         task_run = o.run
         if task_run is None:
             continue
         if o.best:
             best = {f"{s}.{m}": v for s, ms in o.best.dev_metrics.items() for m, v in ms.items()}
-            task_run.log_metrics({**best, "score": o.best.score, "best_lr": o.best.learning_rate})
+            # At the last epoch's step, where the trial runs logged their own final evaluation.
+            task_run.log_metrics({**best, "score": o.best.score, "best_lr": o.best.learning_rate},
+                                 step=len(o.best.history))
+            model_dir = storage.join(out_uri, "models", o.spec.name)
+            if storage.exists(model_dir) and "://" not in model_dir:
+                task_run.log_artifacts(model_dir, "model")
         if o.errors:
             task_run.set_tag("bertpipe.error", o.errors[:5000])
         task_run.end(o.status == "ok")
@@ -254,7 +288,6 @@ def run_stage(ctx: StageContext) -> StageResult:
     report = {"summary.md": markdown.encode(), "summary.csv": table_csv.encode()}
     for name, blob in report.items():
         storage.write_bytes(storage.join(ctx.output_uri, name), blob)
-    print(markdown)
     metrics = {**scores(outcomes), "num_trials": float(len(trials)),
                "num_trials_failed": float(sum(len(o.trial_errors) for o in outcomes)),
                "num_tasks_ok": float(sum(o.status == "ok" for o in outcomes)),
@@ -262,7 +295,8 @@ def run_stage(ctx: StageContext) -> StageResult:
                "seconds": time.perf_counter() - started}
     if submission:
         report["submission.zip"] = storage.read_bytes(storage.join(ctx.output_uri, "submission.zip"))
-    log_outcomes(outcomes, parent, metrics, report)
+    models = keep_best_models(ctx.output_uri, trials)
+    log_outcomes(outcomes, parent, metrics, report, ctx.output_uri)
     ran = [o for o in outcomes if o.status != "absent"]
     if not any(o.status == "ok" for o in ran):
         errors = "; ".join(f"{o.spec.name}: {o.errors}" for o in ran) or "no task present"
@@ -271,5 +305,5 @@ def run_stage(ctx: StageContext) -> StageResult:
         num_rows=sum(len(o.trials) for o in outcomes), metrics=metrics, raw_inputs=raw_inputs,
         extra={"init": init, "glue_data_dir": glue_dir, "submission": submission,
                "tasks": {o.spec.name: {"status": o.status, "error": o.errors} for o in outcomes}},
-        outputs=["summary.md", "summary.csv", *(f"submission/{n}" for n in submission),
+        outputs=["summary.md", "summary.csv", *models, *(f"submission/{n}" for n in submission),
                  *(["submission.zip"] if submission else [])])

@@ -183,8 +183,10 @@ def evaluate_dev(t: Prepared, spec, p: TrialParams) -> dict[str, dict[str, float
 
 
 def run_trial(model_dir: str | Path, data: TaskData, p: TrialParams,
-              on_epoch: Callable[[int, dict[str, float]], None] | None = None) -> TrialResult:
-    """Fine-tune the BERT in `model_dir` (HF layout) on `data` with the hyper-parameters `p`."""
+              on_epoch: Callable[[int, dict[str, float]], None] | None = None,
+              save_dir: str | Path | None = None) -> TrialResult:
+    """Fine-tune the BERT in `model_dir` (HF layout) on `data` with the hyper-parameters `p`; with `save_dir`,
+    write the fine-tuned model there (HF layout, with the vocabulary)."""
     spec = data.spec
     t = prepare(model_dir, data, p)
     history: list[dict[str, float]] = []
@@ -200,6 +202,10 @@ def run_trial(model_dir: str | Path, data: TaskData, p: TrialParams,
         if on_epoch is not None:
             on_epoch(epoch + 1, row)
     seconds = time.perf_counter() - t0
+    if save_dir is not None:
+        from bertpipe.model import save_pretrained
+
+        save_pretrained(t.model, save_dir, Path(model_dir) / "vocab.txt")
     test_predictions = {}
     for name, ex in data.test.items():
         preds = predict(t.model, encode(t.tokenizer, ex), p.recipe.eval_batch_size, spec.is_regression, p.device)

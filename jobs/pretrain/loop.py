@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from bertpipe.jobs.pretrain.meter import Meter, all_sum
 from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.model.training import param_groups
+from bertpipe.pipeline.progress import Reporter
 
 log = logging.getLogger("bertpipe.pretrain")
 EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase
@@ -46,6 +47,7 @@ class WorkerSpec:
     export_uri: str
     storage_path: str
     run_name: str
+    progress: Reporter = field(default_factory=Reporter)  # the driver's live progress line (rank 0 reports)
 
 
 @dataclass
@@ -241,6 +243,8 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
         if w.engine.global_steps == position.step:
             continue  # inside a gradient accumulation
         position = Position(w.engine.global_steps, phase_index, epoch, index)
+        if w.rank == 0:
+            w.spec.progress.set(position.step, loss=out.loss.item(), seq_s=last.get("sequences_per_second", 0.0))
         last = after_step(w, meter, position, phase_end, last)
     if seen == 0:
         raise ValueError(f"worker {w.rank} got no batch at seq {w.spec.pretrain.phases[phase_index].max_seq_length}:"

@@ -10,6 +10,7 @@ config starts a fresh run instead of resuming a foreign one.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.pipeline import storage
+from bertpipe.pipeline.progress import remote_progress
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
@@ -119,6 +121,12 @@ def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dic
     return datasets, rows
 
 
+def _describe(fields: dict) -> str:
+    parts = [f"loss {fields['loss']:.3f}" if "loss" in fields else "",
+             f"{fields['seq_s']:.1f} seq/s" if fields.get("seq_s") else ""]
+    return " · ".join(p for p in parts if p)
+
+
 def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str) -> WorkerSpec:
     from bertpipe.pipeline.vocab import load_vocab, vocab_file
 
@@ -148,6 +156,21 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
         dataset_config=ray.train.DataConfig(execution_options=ExecutionOptions(preserve_order=True)))
 
 
+def register(run: RunLogger, export_uri: str, registered_name: str) -> str:
+    """The exported model as an MLflow model of the stage's run, registered under `registered_name`."""
+    if not (run.active and registered_name):
+        return ""
+    import tempfile
+
+    from bertpipe.model import BertForPreTraining, load_pretrained
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in EXPORT_FILES:
+            storage.write_bytes(f"{tmp}/{name}", storage.read_bytes(storage.join(export_uri, name)))
+        model = load_pretrained(tmp, BertForPreTraining)
+    return run.log_torch_model(model, registered_name)
+
+
 def run_stage(ctx: StageContext) -> StageResult:
     import ray
 
@@ -170,12 +193,14 @@ def run_stage(ctx: StageContext) -> StageResult:
     resume = latest_checkpoint(storage_path, spec.run_name, cfg)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
-    result = trainer(spec, datasets).fit()
+    with remote_progress("pretrain", cfg.max_steps, "steps", _describe) as progress:
+        result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
     metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
     metrics["seconds"] = time.time() - started
     storage.write_text_atomic(storage.join(ctx.output_uri, "metrics.json"), json.dumps(metrics, indent=2))
-    ctx.log_metrics({k: v for k, v in metrics.items() if k.startswith(("eval_", "step"))}, None)
-    return StageResult(num_rows=int(metrics.get("step", 0)), metrics=metrics,
+    model_uri = register(run, spec.export_uri, ctx.tracking.get("registered_model", ""))
+    return StageResult(num_rows=int(metrics.get("step", 0)), metrics=metrics, final_step=int(metrics.get("step", 0)),
                        extra={"export": spec.export_uri, "checkpoints": storage.join(storage_path, spec.run_name),
+                              "mlflow_model": model_uri,
                               "train_rows": rows, "checkpoint": result.checkpoint.path if result.checkpoint else ""},
                        outputs=[f"export/{name}" for name in EXPORT_FILES])

@@ -1,0 +1,145 @@
+"""Watching a run as a user does: the console of a small `bertpipe run` (short, stage headers, progress, summary,
+no repeated warning), the dashboard it prints answering while the run goes, and MLflow read back through its
+client afterwards (headline metrics and tags on the workflow run, a registered model that loads, final
+evaluations at the last step, a failed stage marked FAILED with its error and traceback)."""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+STEPS = 6
+SMALL = ["--set", f"pretrain.max_steps={STEPS}", "--set", "pretrain.checkpoint_every_steps=3",
+         "--set", "pretrain.log_every_steps=2", "--set", "finetune.tasks=[MRPC]",
+         "--set", "finetune.learning_rates=[1e-4]", "--set", "finetune.num_epochs=2"]
+
+
+def _env(ray_tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    return env
+
+
+def _dashboard_answers(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/api/version", timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:  # 401 with token auth on: it answers, and refuses the anonymous
+        return err.code
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory, enwiki_sample):
+    home = tmp_path_factory.mktemp("watch")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="bpw-", dir="/tmp"))
+    proc = subprocess.Popen([str(BIN / "bertpipe"), "run", "--workdir", "w", "--set", f"clean.input={enwiki_sample}",
+                             *SMALL], cwd=home, env=_env(ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    stdout, dashboard_status = [], None
+    for line in proc.stdout:
+        stdout.append(line.rstrip("\n"))
+        m = re.search(r"dashboard (http://127\.0\.0\.1:\d+)", line)
+        if m and dashboard_status is None:
+            dashboard_status = _dashboard_answers(m.group(1))
+    stderr = proc.stderr.read()
+    proc.wait(timeout=900)
+    yield {"home": home, "workdir": home / "w", "rc": proc.returncode, "stdout": stdout,
+           "stderr": stderr.splitlines(), "dashboard": dashboard_status, "ray_tmp": ray_tmp}
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_console_is_short_and_says_what_runs(watched):
+    assert watched["rc"] == 0, "\n".join(watched["stderr"][-30:])
+    everything = watched["stdout"] + watched["stderr"]
+    assert len(everything) <= 100, "\n".join(everything)
+    for k, stage in enumerate(["clean", "vocab", "pairs", "pretrain", "finetune"], 1):
+        assert any(line.startswith(f"[stage {k}/5] {stage}: running") for line in watched["stdout"])
+    assert any(re.match(r"  pretrain: \d+/6 \(\d+%\) steps · loss [\d.]+", line) for line in watched["stdout"])
+    assert any(line.startswith("  finetune: 2/2 (100%) trials") for line in watched["stdout"])
+    assert "stage     status        rows  time" in watched["stdout"]
+    assert any(line.startswith("GLUE score") for line in watched["stdout"])
+    repeated = [line for line, n in collections.Counter(everything).items() if n > 1 and "WARN" in line.upper()]
+    assert not repeated, repeated
+
+
+def test_printed_dashboard_answers_during_the_run(watched):
+    assert watched["dashboard"] in (200, 401), watched["dashboard"]
+
+
+def _client(workdir: Path):
+    import mlflow
+
+    return mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+
+
+def _workflow_runs(client) -> list:
+    exp = client.get_experiment_by_name("bertpipe")
+    runs = client.search_runs([exp.experiment_id], max_results=200)
+    return [r for r in runs if r.data.tags.get("bertpipe.kind") == "workflow"]
+
+
+def test_mlflow_workflow_run_carries_headline_metrics_and_code_version(watched):
+    client = _client(watched["workdir"])
+    (parent,) = _workflow_runs(client)
+    assert parent.info.status == "FINISHED" and parent.data.tags["bertpipe.status"] == "succeeded"
+    assert parent.data.tags["bertpipe.config"] == "tiny"
+    assert re.fullmatch(r"[0-9a-f]{7,}", parent.data.tags["bertpipe.git_commit"])
+    assert parent.data.tags["bertpipe.git_dirty"] in ("true", "false")
+    metrics = parent.data.metrics
+    for key in ("pretrain.loss", "pretrain.eval_mlm_accuracy", "pretrain.eval_nsp_accuracy", "glue.MRPC",
+                "finetune.glue_score"):
+        assert key in metrics, sorted(metrics)
+
+
+def test_pretrained_model_is_registered_and_loads(watched):
+    import mlflow.pytorch
+    import torch
+
+    client = _client(watched["workdir"])
+    versions = client.search_model_versions("name='bertpipe-tiny'")
+    assert len(versions) == 1
+    mlflow.set_tracking_uri(f"sqlite:///{watched['workdir'] / 'mlflow.db'}")
+    model = mlflow.pytorch.load_model(f"models:/bertpipe-tiny/{versions[0].version}")
+    ids = torch.tensor([[2, 10, 11, 3, 12, 3]])
+    with torch.no_grad():
+        out = model.bert(ids, torch.zeros_like(ids), torch.ones_like(ids))
+    assert out[0].shape[:2] == (1, 6)
+
+
+def test_final_evaluation_is_logged_at_the_last_step(watched):
+    client = _client(watched["workdir"])
+    pretrain = [r for r in client.search_runs([client.get_experiment_by_name("bertpipe").experiment_id])
+                if r.data.tags.get("bertpipe.stage") == "pretrain"][0]
+    history = client.get_metric_history(pretrain.info.run_id, "eval_mlm_accuracy")
+    assert max(m.step for m in history) == STEPS and min(m.step for m in history) > 0
+
+
+def test_failed_stage_is_marked_failed_with_error_and_traceback(watched):
+    """Fine-tuning from a checkpoint whose weights are not a safetensors file: every trial fails."""
+    broken = watched["home"] / "broken-ckpt"
+    shutil.copytree(watched["workdir"] / "pretrain" / "export", broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--workdir", "w", "--only", "finetune",
+                           "--set", f"finetune.init={broken}", *SMALL], cwd=watched["home"],
+                          env=_env(watched["ray_tmp"]), capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-3].startswith("bertpipe: stage finetune failed:")
+    client = _client(watched["workdir"])
+    parent = max(_workflow_runs(client), key=lambda r: r.info.start_time)
+    assert parent.info.status == "FAILED" and parent.data.tags["bertpipe.status"] == "failed"
+    stage = [r for r in client.search_runs([parent.info.experiment_id])
+             if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id][0]
+    assert stage.info.status == "FAILED" and "every GLUE task failed" in stage.data.tags["bertpipe.error"]
+    assert "traceback.txt" in [a.path for a in client.list_artifacts(stage.info.run_id)]
