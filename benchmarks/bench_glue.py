@@ -115,9 +115,8 @@ def fanout(model: Path, data: TaskData, p: TrialParams, concurrency: int) -> flo
     cfg = dataclasses.replace(p.recipe, cpus_per_trial=1, max_concurrent_trials=concurrency)
     files, ref = ray.put(read_model_files(str(model))), ray.put(data)
     outcome = TaskOutcome(data.spec, "ok")
-    trials = [Trial(f"lr={lr}", outcome, RunLogger(None),
-                    (files, ref, dataclasses.replace(p, learning_rate=lr, recipe=cfg), {}))
-              for lr in (5e-5, 4e-5, 3e-5, 2e-5)]
+    trials = [Trial(f"lr={lr}", outcome, RunLogger(None), dataclasses.replace(p, learning_rate=lr, recipe=cfg), "",
+                    files, ref) for lr in (5e-5, 4e-5, 3e-5, 2e-5)]
     t0 = time.perf_counter()
     results = run_trials(trials, cfg)
     assert not any(isinstance(r, BaseException) for r in results), results

@@ -144,7 +144,15 @@ class Trial:
     key: str
     outcome: TaskOutcome
     run: RunLogger
-    args: tuple  # of _trial_body
+    params: TrialParams
+    save_uri: str  # where the trial keeps its fine-tuned model ("" = not kept)
+    model_ref: Any  # Ray object refs of the initial model's files and of the task's data
+    data_ref: Any
+
+    def args(self) -> tuple:
+        """The arguments of `_trial_body`."""
+        return (self.model_ref, self.data_ref, self.params, self.run.coordinates if self.run.active else {},
+                self.save_uri)
 
 
 def run_trials(trials: list[Trial], cfg: FinetuneConfig) -> list[TrialResult | BaseException]:
@@ -162,7 +170,7 @@ def run_trials(trials: list[Trial], cfg: FinetuneConfig) -> list[TrialResult | B
         f"{task} {100 * score:.1f}" for task, score in f.items()) if f else "")
     while next_trial < len(trials) or running:
         while next_trial < len(trials) and len(running) < limit:
-            running[remote.remote(*trials[next_trial].args)] = next_trial
+            running[remote.remote(*trials[next_trial].args())] = next_trial
             next_trial += 1
         ready, _ = ray.wait(list(running), num_returns=1)
         i = running.pop(ready[0])
@@ -214,8 +222,8 @@ def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, 
             run.log_params({"learning_rate": lr, "seed": params.seed, "task": name, "sweep_seed": seed,
                             "device": params.device, "recipe": cfg})
             key = f"{name}/lr={lr:g}/seed={seed}"
-            trials.append(Trial(key, outcome, run, (model_ref, data_ref, params, run.coordinates if run.active else {},
-                                                    storage.join(ctx.output_uri, "trials", *key.split("/")))))
+            trials.append(Trial(key, outcome, run, params, storage.join(ctx.output_uri, "trials", *key.split("/")),
+                                model_ref, data_ref))
     return outcome, trials
 
 
@@ -225,10 +233,9 @@ def keep_best_models(out_uri: str, trials: list[Trial]) -> list[str]:
     kept = []
     for trial in trials:
         best = trial.outcome.best
-        if best is not None and trial.outcome.trials and trial.args[2].learning_rate == best.learning_rate \
-                and trial.args[2].seed == best.seed:
+        if best is not None and (trial.params.learning_rate, trial.params.seed) == (best.learning_rate, best.seed):
             target = storage.join(out_uri, "models", trial.outcome.spec.name)
-            storage.copy_tree(trial.args[4], target)
+            storage.copy_tree(trial.save_uri, target)
             kept += [f"models/{trial.outcome.spec.name}/{rel}" for rel, _ in storage.list_files(target)]
     storage.delete_dir(storage.join(out_uri, "trials"))
     return kept
