@@ -23,7 +23,7 @@ run: setup
 
 test: setup
 	$(BIN)/bertpipe fetch-sample
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"

@@ -34,11 +34,6 @@ class WorkdirPaths:
         return self._join("pretrain", "export")
 
     @property
-    def glue_smoke(self) -> str:
-        """The project's GLUE-format smoke sample (NOT GLUE), written when no glue_data_dir is given."""
-        return self._join("finetune", "smoke_glue")
-
-    @property
     def ray_results(self) -> str:
         """Ray Train storage: checkpoints live outside the stage folder, which a rerun empties, so it resumes."""
         return self._join("ray_results")

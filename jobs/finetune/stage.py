@@ -200,20 +200,18 @@ def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, 
         else:
             outcome.status = "absent"
         return outcome, []
-    task_run = parent.child(name, {"bertpipe.kind": "glue_task", "bertpipe.task": name})
+    task_run = outcome.run = parent.child(name, {"bertpipe.kind": "glue_task", "bertpipe.task": name})
     try:
         data = read_task(glue_dir, spec)
     except (ValueError, StageInputError) as e:
         outcome.status, outcome.error = "failed", str(e)
         log.warning("finetune: task %s failed to read: %s", name, e)
-        task_run.end(False)
         return outcome, []
     raw_inputs.extend(data.files if cfg.glue_data_dir else [])
     outcome.num_train = min(len(data.train), cfg.max_train_examples or len(data.train))
     log.info("finetune: %s: %d train rows (%d used), dev %s, test %s", name, len(data.train), outcome.num_train,
              {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()})
     data_ref = ray.put(data)
-    outcome.run = task_run
     trials = []
     for seed in cfg.seeds:
         for lr in cfg.learning_rates:
@@ -268,7 +266,7 @@ def run_stage(ctx: StageContext) -> StageResult:
 
     started = time.perf_counter()
     cfg: FinetuneConfig = ctx.config["finetune"]
-    glue_dir = cfg.glue_data_dir or write_sample(ctx.paths.glue_smoke, seed=ctx.seed)
+    glue_dir = cfg.glue_data_dir or write_sample(storage.join(ctx.output_uri, "smoke_glue"), seed=ctx.seed)
     if not cfg.glue_data_dir:
         log.info("finetune: no glue_data_dir, using the project's smoke sample (NOT GLUE) at %s", glue_dir)
     pretrain = ctx.input("pretrain")
