@@ -112,6 +112,19 @@ class PretrainConfig:
         return (first, self.max_steps - first)
 
 
+def _check_lamb(cfg: PretrainConfig, bad) -> None:
+    """LAMB's trust ratio must stay per layer: jobs/pretrain/lamb_layout.py maps ZeRO 1/2 and bf16 partitions back
+    to parameters; ZeRO 3 and DeepSpeed's own FusedLamb cannot be mapped (optimizer offload is refused below)."""
+    if cfg.optimizer != "lamb":
+        return
+    if cfg.zero_stage == 3:
+        bad("optimizer lamb with zero_stage 3 cannot be layer-wise (ZeRO-3 steps flat sub-groups one at a time); "
+            "use zero_stage 1 or 2")
+    if cfg.optimizer_impl == "deepspeed":
+        bad("optimizer lamb with optimizer_impl 'deepspeed' (DeepSpeed's FusedLamb: one clamped trust ratio per "
+            "flat ZeRO/bf16 partition) is not layer-wise; use optimizer_impl 'torch'")
+
+
 def validate(cfg: PretrainConfig) -> None:
     """ValueError naming the key for every combination that cannot run (before any worker starts)."""
     def bad(msg: str) -> None:
@@ -137,6 +150,7 @@ def validate(cfg: PretrainConfig) -> None:
                                   or not cfg.use_gpu or cfg.optimizer != "adamw"):
         bad("offload_optimizer needs zero_stage >= 1, use_gpu, optimizer adamw and optimizer_impl 'deepspeed' "
             "(DeepSpeed's CPU Adam)")
+    _check_lamb(cfg, bad)
     if cfg.optimizer_impl == "deepspeed" and not cfg.use_gpu:
         bad("optimizer_impl 'deepspeed' needs compiled ops and a GPU; use 'torch' on CPU")
     if not cfg.use_gpu and cfg.precision in ("bf16", "fp16"):

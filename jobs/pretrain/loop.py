@@ -22,6 +22,7 @@ import torch.distributed as dist
 from bertpipe.jobs.pretrain import checkpoints
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts, mapped_layouts
 from bertpipe.jobs.pretrain.length_binning import length_binned
 from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
 from bertpipe.jobs.pretrain.meter import Meter, all_sum
@@ -103,6 +104,8 @@ def setup(spec: WorkerSpec) -> Worker:
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, model_parameters=params, config=deepspeed_config(cfg, cfg.phases[0], world),
         dist_init_required=False, lr_scheduler=lambda opt: make_scheduler(cfg, opt))
+    if cfg.optimizer == "lamb":
+        attach_lamb_layouts(engine)  # DeepSpeed now holds flat partitions: one trust ratio per parameter still
     return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
                   RunLogger(spec.tracking, enabled=rank == 0))
 
@@ -286,6 +289,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.
     final = {"step": position.step, "resumed_from_step": resumed_from, **last,
              **evaluate(w, final_phase, training_masks=False)}
+    if spec.pretrain.optimizer == "lamb":  # flat tensors with a per-parameter layout: a test proves LAMB is per layer
+        final["lamb_layouts"] = mapped_layouts(w.engine)
     w.run.log_metrics({k: v for k, v in final.items() if k.startswith("eval_")}, position.step)
     checkpoints.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run)
     checkpoints.save_and_report(w.engine, dataclasses.asdict(position), final)

@@ -5,56 +5,166 @@
   changes the first few hundred steps, which warmup already tames.
 - LAMB (You et al., 2019) as NVIDIA trains BERT with it: Adam moments with bias correction, decoupled weight
   decay added to the update, and the layer-wise trust ratio ‖w‖/‖update‖ applied only to parameters that
-  get weight decay (apex FusedLAMB with use_nvlamb=False). Global gradient clipping is DeepSpeed's.
+  get weight decay (apex FusedLAMB with use_nvlamb=False), one ratio per model parameter also when DeepSpeed
+  hands the optimizer flat partitions (see Lamb). Global gradient clipping is DeepSpeed's.
 - Schedule: linear warmup to the peak, then polynomial decay to zero (power 1 = the paper's linear decay,
   0.5 = NVIDIA's LAMB). LambdaLR multiplies the base lr, so the optimizers are built with lr 1.0 and
   `LrSchedule(step)` returns the absolute learning rate.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
 from bertpipe.model.training import param_groups, warmup_decay
 
 
+@dataclass(frozen=True)
+class FlatLayout:
+    """Which parameters a flat tensor handed to Lamb holds: `segments` are (parameter index in the group, start,
+    end) ranges of the flat tensor, `num_params` the group's parameter count (the same on every rank), and
+    `process_group` the ranks the group's parameters are split over (None: this tensor holds whole parameters,
+    nothing to sum across ranks). Elements in no segment (DeepSpeed's alignment padding) are left alone."""
+
+    segments: tuple[tuple[int, int, int], ...]
+    num_params: int
+    process_group: Any = None
+
+
 class Lamb(torch.optim.Optimizer):
+    """LAMB with one trust ratio per model parameter, whatever tensors DeepSpeed hands it.
+
+    Without a layout every tensor is one parameter (ZeRO 0: the model's tensors in fp32, one fp32 copy each in
+    bf16/fp16). Under ZeRO 1/2 (any precision) and DeepSpeed's BF16_Optimizer the optimizer only sees flat fp32
+    tensors (a rank's partition of a whole param group); `set_layout`
+    (jobs/pretrain/lamb_layout.py, after deepspeed.initialize) says which parameter segments each one holds. A
+    step then sums every parameter's partial ‖w‖² and ‖update‖² over its segments, adds them up across the
+    data-parallel group with one all-reduce per step (one vector for all parameters: ZeRO 1/2 call step once per
+    param group and the no-decay group needs no ratio), and scales each segment by its parameter's own ratio.
+
+    Gradient clipping and loss scaling stay DeepSpeed's and come before this step, as in NVIDIA's recipe (clip the
+    global gradient norm, then LAMB): ZeRO 1/2 reduce the gradients, compute the global norm and call
+    `unscale_and_clip_grads` (divides by loss scale × clip factor) before `_optimizer_step`; the bf16 optimizer
+    calls `clip_tensors_by_global_norm` before `optimizer.step()`; the bf16/fp16 wrapper of ZeRO 0
+    (FP16_UnfusedOptimizer) calls `unscale_and_clip_grads`, then `optimizer.step()`; plain fp32 ZeRO 0 runs
+    `engine.clip_fp32_gradients()` in `_take_model_step` before `optimizer.step()` (DeepSpeed 0.19.8). An
+    overflowing fp16 step is skipped by DeepSpeed before it reaches Lamb.
+    """
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01):
         if lr <= 0 or eps <= 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid LAMB hyper-parameters lr={lr} betas={betas} eps={eps}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        # (flat tensor, its layout); matched by identity: torch's load_state_dict rebuilds the group dicts but
+        # keeps the tensors, so a layout survives a checkpoint load. Not state: it depends on the world size.
+        self._layouts: list[tuple[torch.Tensor, FlatLayout]] = []
+
+    def set_layout(self, tensor: torch.Tensor, layout: FlatLayout) -> None:
+        for j, start, end in layout.segments:
+            if not (0 <= j < layout.num_params and 0 <= start < end <= tensor.numel()):
+                raise ValueError(f"segment {(j, start, end)} outside a flat tensor of {tensor.numel()} elements "
+                                 f"or a group of {layout.num_params} parameters")
+        self._layouts = [(t, lay) for t, lay in self._layouts if t is not tensor] + [(tensor, layout)]
+
+    def layout_of(self, tensor: torch.Tensor) -> FlatLayout | None:
+        found = next((lay for t, lay in self._layouts if t is tensor), None)
+        if found is None and self._layouts:
+            # Layouts were set, so this tensor is flat too: one ratio for all of it would be silently wrong.
+            raise RuntimeError(f"Lamb got a tensor of {tensor.numel()} elements with no layout; call "
+                               "attach_lamb_layouts again after DeepSpeed replaced its flat partitions")
+        return found
+
+    def mapped_tensors(self) -> int:
+        """How many of the tensors it steps have a layout (0 when they are the model's own parameters)."""
+        return sum(any(t is p for t, _ in self._layouts) for g in self.param_groups for p in g["params"])
+
+    def _adam_update(self, group: dict, p: torch.Tensor) -> torch.Tensor:
+        """Moments, bias correction and decoupled weight decay: the update before the trust ratio."""
+        beta1, beta2 = group["betas"]
+        grad = p.grad.float()
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        state["step"] += 1
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        m_hat = m / (1 - beta1 ** state["step"])
+        v_hat = v / (1 - beta2 ** state["step"])
+        update = m_hat / (v_hat.sqrt() + group["eps"])
+        if group["weight_decay"] != 0:
+            update.add_(p.float(), alpha=group["weight_decay"])
+        return update
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        pending = []  # split parameters: their ratios need the other ranks' partial norms
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad.float()
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(grad, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                m_hat = m / (1 - beta1 ** state["step"])
-                v_hat = v / (1 - beta2 ** state["step"])
-                weight = p.float()
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                trust = 1.0
-                if group["weight_decay"] != 0:
-                    update.add_(weight, alpha=group["weight_decay"])
-                    w_norm, u_norm = weight.norm(), update.norm()
-                    trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
-                p.add_((update * trust * -group["lr"]).to(p.dtype))
+                update = self._adam_update(group, p)
+                layout = self.layout_of(p)
+                if group["weight_decay"] == 0:  # no decay, no trust ratio (NVIDIA: use_nvlamb=False)
+                    p.add_((update * -group["lr"]).to(p.dtype))
+                elif layout is None:
+                    sums = torch.stack([p.float().square().sum(), update.square().sum()]).unsqueeze(0)
+                    _apply(p, update, layout, _ratios(sums), group["lr"])
+                elif layout.process_group is None:
+                    _apply(p, update, layout, _ratios(_segment_sums(p, update, layout)), group["lr"])
+                else:
+                    pending.append((group, p, update, layout))
+        if pending:
+            self._step_split(pending)
         return loss
+
+    def _step_split(self, pending: list) -> None:
+        """One all-reduce of every split parameter's partial squared norms, then each segment's own ratio."""
+        groups = {id(lay.process_group): lay.process_group for *_, lay in pending}
+        if len(groups) != 1:
+            raise RuntimeError(f"Lamb step over {len(groups)} process groups; expected one data-parallel group")
+        sums = torch.cat([_segment_sums(p, update, lay) for _, p, update, lay in pending])
+        dist.all_reduce(sums, group=next(iter(groups.values())))
+        ratios = _ratios(sums)
+        offset = 0
+        for group, p, update, lay in pending:
+            _apply(p, update, lay, ratios[offset: offset + lay.num_params], group["lr"])
+            offset += lay.num_params
+
+
+def _segment_sums(p: torch.Tensor, update: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    """[num_params, 2]: Σw² and Σupdate² of each parameter over the segments this tensor holds."""
+    sums = torch.zeros(layout.num_params, 2, dtype=torch.float32, device=p.device)
+    if not layout.segments:
+        return sums
+    weight = p.float()
+    parts = [torch.stack([weight[s:e].square().sum(), update[s:e].square().sum()]) for _, s, e in layout.segments]
+    index = torch.tensor([j for j, _, _ in layout.segments], device=p.device)
+    return sums.index_add_(0, index, torch.stack(parts))
+
+
+def _ratios(sums: torch.Tensor) -> torch.Tensor:
+    """‖w‖/‖update‖ per row of [n, 2] squared norms; 1 where either norm is zero (NVIDIA's rule)."""
+    w_norm, u_norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
+    return torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+
+
+def _apply(p: torch.Tensor, update: torch.Tensor, layout: FlatLayout | None, ratios: torch.Tensor,
+           lr: float) -> None:
+    if layout is None:
+        p.add_((update * ratios[0] * -lr).to(p.dtype))
+        return
+    for j, s, e in layout.segments:
+        p[s:e].add_((update[s:e] * ratios[j] * -lr).to(p.dtype))
 
 
 def make_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:
