@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test test-fast bench clean-work
+.PHONY: setup run test test-slow test-fast bench clean-work
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,10 @@ run: setup
 
 test: setup
 	$(BIN)/bertpipe fetch-sample
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration"

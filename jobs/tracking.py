@@ -114,7 +114,9 @@ class RunLogger:
 
         import torch
 
-        previous = mlflow.get_tracking_uri()
+        # set_tracking_uri also writes MLFLOW_TRACKING_URI into the environment (inherited by Ray workers
+        # started later): put both back exactly as they were.
+        previous, env = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
         mlflow.set_tracking_uri(self.coordinates["tracking_uri"])
         try:
             with mlflow.start_run(run_id=self.run_id):
@@ -124,6 +126,10 @@ class RunLogger:
                                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
         finally:
             mlflow.set_tracking_uri(previous)
+            if env is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = env
         return info.model_uri
 
     def system_metrics(self):

@@ -67,7 +67,7 @@ def test_console_is_short_and_says_what_runs(watched):
     for k, stage in enumerate(["clean", "vocab", "pairs", "pretrain", "finetune"], 1):
         assert any(line.startswith(f"[stage {k}/5] {stage}: running") for line in watched["stdout"])
     assert any(re.match(r"  pretrain: \d+/6 \(\d+%\) steps · loss [\d.]+", line) for line in watched["stdout"])
-    assert any(line.startswith("  finetune: 2/2 (100%) trials") for line in watched["stdout"])
+    assert any(line.startswith("  finetune: 1/1 (100%) trials · best MRPC") for line in watched["stdout"])
     assert "stage     status        rows  time" in watched["stdout"]
     assert any(line.startswith("GLUE score") for line in watched["stdout"])
     repeated = [line for line, n in collections.Counter(everything).items() if n > 1 and "WARN" in line.upper()]
@@ -110,8 +110,16 @@ def test_pretrained_model_is_registered_and_loads(watched):
     client = _client(watched["workdir"])
     versions = client.search_model_versions("name='bertpipe-tiny'")
     assert len(versions) == 1
+    env = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(f"sqlite:///{watched['workdir'] / 'mlflow.db'}")
-    model = mlflow.pytorch.load_model(f"models:/bertpipe-tiny/{versions[0].version}")
+    try:
+        model = mlflow.pytorch.load_model(f"models:/bertpipe-tiny/{versions[0].version}")
+    finally:  # set_tracking_uri writes the environment: later tests in this process must not inherit it
+        mlflow.set_tracking_uri("")
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
     ids = torch.tensor([[2, 10, 11, 3, 12, 3]])
     with torch.no_grad():
         out = model.bert(ids, torch.zeros_like(ids), torch.ones_like(ids))
