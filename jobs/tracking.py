@@ -7,11 +7,14 @@ nests a run per GLUE task and one per trial below its stage run.
 """
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 import os
 import tempfile
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
 from bertpipe.jobs.configtools import to_dict
@@ -118,13 +121,20 @@ class RunLogger:
         # started later): put both back exactly as they were.
         previous, env = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
         mlflow.set_tracking_uri(self.coordinates["tracking_uri"])
+        chatter = io.StringIO()  # MLflow prints "Successfully registered model ..." itself: keep it to the log file
+        # Its pickle-format caution is for loading untrusted files; ours are our own model, saved by us.
+        flavor_log = logging.getLogger("mlflow.pytorch")
+        flavor_level = flavor_log.level
+        flavor_log.setLevel(logging.ERROR)
         try:
-            with mlflow.start_run(run_id=self.run_id):
+            with mlflow.start_run(run_id=self.run_id), redirect_stdout(chatter), redirect_stderr(chatter):
                 # Explicit requirements: inferring them imports and inspects the whole environment (slow).
                 info = mlflow.pytorch.log_model(model, name="model", registered_model_name=registered_name,
                                                 serialization_format="pickle",
                                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
         finally:
+            flavor_log.setLevel(flavor_level)
+            logging.getLogger(__name__).info("mlflow: %s", chatter.getvalue().strip())
             mlflow.set_tracking_uri(previous)
             if env is None:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
