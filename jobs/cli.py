@@ -57,14 +57,14 @@ def cmd_run(args) -> int:
     cfg = _config(args)
     only = [s for part in (args.only or []) for s in part.split(",") if s]
     selected = workflow.select(only or None, args.start)
-    workflow.preflight(cfg, selected)  # bad input: one line, nothing written
+    plans = workflow.preflight(cfg, selected)  # bad input: one line, nothing written
     log_path = _log_file(cfg.workdir)
     config_name = Path(args.config).stem
     console.header(cfg, config_name, resolved_tracking_uri(cfg), selected, log_path)
     progress.enable(True)
     try:
         summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force, verbose=args.verbose,
-                               config_name=config_name)
+                               config_name=config_name, plans=plans)
     except workflow.StageFailed as exc:
         # INFO: into the log file with its traceback; the console gets the three lines below instead.
         logging.getLogger("bertpipe").info("%s", exc, exc_info=exc.cause)

@@ -96,8 +96,8 @@ def git_tags() -> dict[str, str]:
             "bertpipe.git_dirty": "unknown" if dirty is None else str(bool(dirty)).lower()}
 
 
-def code_version() -> str:
-    tags = git_tags()
+def code_version(tags: dict[str, str]) -> str:
+    """The manifest's code version: the commit, marked -dirty when the tree had uncommitted changes."""
     return tags["bertpipe.git_commit"] + ("-dirty" if tags["bertpipe.git_dirty"] == "true" else "")
 
 
@@ -282,17 +282,19 @@ def headline_metrics(cfg: RootConfig) -> dict[str, float]:
 
 
 def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = None, force: bool = False,
-        verbose: bool = False, config_name: str = "") -> list[dict[str, Any]]:
+        verbose: bool = False, config_name: str = "", plans: dict[str, Plan] | None = None) -> list[dict[str, Any]]:
     """Run the selected stages in order; returns one summary row per stage (ran / skipped).
 
+    `plans`: the result of `preflight` when the caller already ran it (the CLI does, before opening its log).
     Raises StageInputError / ValueError from the preflight (nothing started) or StageFailed (a stage raised)."""
     selected = select(only, start)
-    plans = preflight(cfg, selected)
+    plans = plans if plans is not None else preflight(cfg, selected)
     name = config_name or "custom"
+    code = git_tags()  # once per run: every run of the workflow and every manifest names the same code
     parent = start_workflow_run(resolved_tracking_uri(cfg), cfg.mlflow.experiment,
                                 cfg.mlflow.run_name or f"{name} {time.strftime('%Y-%m-%d %H:%M:%S')}",
                                 config_as_dict(cfg), {"bertpipe.stages": ",".join(selected),
-                                                      "bertpipe.config": name, **git_tags()},
+                                                      "bertpipe.config": name, **code},
                                 artifact_root=WorkdirPaths(cfg.workdir).mlflow_artifacts)
     registered = cfg.mlflow.registered_model or f"bertpipe-{name}"
     summary: list[dict[str, Any]] = []
@@ -300,7 +302,7 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     try:
         for k, stage_name in enumerate(selected, 1):
             summary.append(_run_or_skip(cfg, plans[stage_name], parent, force, (k, len(selected)), verbose,
-                                        registered))
+                                        registered, code))
             # Downstream plans read this stage's fresh manifest (a new output id makes them stale).
             for later in plans.values():
                 if stage_name in later.inputs and not later.inputs[stage_name].explicit:
@@ -315,10 +317,10 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
 
 
 def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, position: tuple[int, int],
-                 verbose: bool, registered: str) -> dict[str, Any]:
+                 verbose: bool, registered: str, code: dict[str, str]) -> dict[str, Any]:
     stage = plan.stage
     fp = plan.fingerprint(cfg)
-    run = parent.child(stage.name, {"bertpipe.kind": "stage", "bertpipe.stage": stage.name, **git_tags()})
+    run = parent.child(stage.name, {"bertpipe.kind": "stage", "bertpipe.stage": stage.name, **code})
     run.log_params({**stage_config(cfg, stage), "seed": cfg.seed})
     uri = stage_uri(cfg, stage.name)
     current = read_manifest(uri)
@@ -334,7 +336,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
         "--force" if force else "broken: outputs missing" if gone else "stale: config or inputs changed") + ")")
     monitor = run.system_metrics() if stage.training else None
     try:
-        manifest = _run_stage(cfg, plan, fp, run, verbose, registered)
+        manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code))
     except BaseException as exc:
         run.fail(exc, traceback.format_exc())
         if isinstance(exc, Exception):
@@ -346,8 +348,8 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
     return {"stage": stage.name, "action": "ran", "rows": manifest["num_rows"], "seconds": manifest["seconds"]}
 
 
-def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bool,
-               registered: str) -> dict[str, Any]:
+def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bool, registered: str,
+               version: str) -> dict[str, Any]:
     from bertpipe.jobs.cluster import ensure_ray
 
     stage = plan.stage
@@ -366,7 +368,7 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     manifest = write_manifest(
         uri, stage=stage.name, fingerprint=fp, result=result, config=config,
         inputs={n: (i.manifest["output_id"] if i.manifest else i.uri) for n, i in plan.inputs.items()},
-        started=started, code_version=code_version(),
+        started=started, code_version=version,
     )
     # Only the final figures the stage did not log into its run itself (no duplicate MLflow points).
     logged = run.logged_metric_names()

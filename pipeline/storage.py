@@ -98,10 +98,12 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 def is_file(uri: str) -> bool:
     if _smart_open_only(uri):
-        try:
-            read_bytes(uri)
-            return True
-        except Exception:  # noqa: BLE001 - HTTP stores raise their own "not found" types
+        import urllib.request
+
+        try:  # HEAD: asking whether a (possibly large) file is there must not download it
+            with urllib.request.urlopen(urllib.request.Request(uri, method="HEAD"), timeout=30) as resp:
+                return resp.status < 400
+        except OSError:
             return False
     fs, path = resolve(uri)
     return fs.get_file_info(path).type == pafs.FileType.File

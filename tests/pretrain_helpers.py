@@ -93,3 +93,10 @@ def context(root: Path, inputs, cfg: PretrainConfig, *, model: ModelConfig | Non
 
 def with_phases(cfg: PretrainConfig, *phases: PhaseConfig) -> PretrainConfig:
     return dataclasses.replace(cfg, phases=phases)
+
+
+def export_params(ctx: StageContext) -> dict:
+    """The exported model's tensors (model.safetensors in <output>/export), by HF name."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(ctx.output_uri) / "export" / "model.safetensors"))

@@ -11,12 +11,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.pipeline.stage import StageInputError
-from pretrain_helpers import SPECIALS, TOKENS, context, make_inputs, tiny_config
+from pretrain_helpers import SPECIALS, TOKENS, context, export_params, make_inputs, tiny_config
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +33,6 @@ def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrain_data")
     # 3,200 rows at seq 32 (100 steps of 32: no epoch restart in a 60-step run), a few at seq 64 for phase 2
     return root, make_inputs(root, lengths=(32, 64), rows_per_shard=800, num_shards=4, heldout_rows=160)
-
-
-def export_params(ctx) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(ctx.output_uri) / "export" / "model.safetensors"))
 
 
 def baseline_accuracy(inputs, L=32) -> float:

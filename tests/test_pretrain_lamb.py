@@ -3,16 +3,14 @@ from a checkpoint bit-exactly, and the bert_large_lamb preset, shrunk by --set o
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from bertpipe.jobs.config import load_config
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import PhaseConfig
-from pretrain_helpers import TOKENS, context, make_inputs, tiny_config
+from pretrain_helpers import TOKENS, context, export_params, make_inputs, tiny_config
 
 pytestmark = pytest.mark.integration
 
@@ -30,10 +28,6 @@ def lamb_config(**kw):
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("lamb_data")
     return root, make_inputs(root, lengths=(32, 64), rows_per_shard=400, num_shards=4, heldout_rows=64)
-
-
-def export_params(ctx) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(ctx.output_uri) / "export" / "model.safetensors"))
 
 
 def test_lamb_resumes_bit_exactly_from_a_checkpoint(ray_local, data, tmp_path, faults):

@@ -131,7 +131,8 @@ def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name:
     from bertpipe.pipeline.vocab import load_vocab, vocab_file
 
     vocab_uri = vocab_file(ctx.input("vocab").uri)
-    return WorkerSpec(pretrain=cfg, model=ctx.config["model"], seed=ctx.seed, vocab_tokens=load_vocab(vocab_uri),
+    tokens = load_vocab(vocab_uri)  # validated: special tokens present, no duplicates
+    return WorkerSpec(pretrain=cfg, model=ctx.config["model"], seed=ctx.seed, vocab_tokens=tokens,
                       vocab_bytes=storage.read_bytes(vocab_uri), tracking=dict(ctx.tracking),
                       export_uri=storage.join(ctx.output_uri, "export"), storage_path=storage_path, run_name=name)
 
@@ -172,24 +173,24 @@ def register(run: RunLogger, export_uri: str, registered_name: str) -> str:
 
 
 def run_stage(ctx: StageContext) -> StageResult:
-    import ray
+    import hashlib
 
-    from bertpipe.pipeline.vocab import vocab_hash
+    import ray
 
     started = time.time()
     cfg: PretrainConfig = ctx.config["pretrain"]
     validate(cfg)
     check_resources(cfg, ray.cluster_resources())
-    datasets, rows = _datasets(ctx.input("pairs").uri, vocab_hash(ctx.input("vocab").uri), cfg)
+    storage_path = cfg.storage_path or ctx.paths.ray_results
+    spec = worker_spec(ctx, cfg, storage_path, run_name(ctx, cfg))
+    # The vocabulary's identity from the bytes the workers get (pipeline.vocab.vocab_hash, without a second read).
+    datasets, rows = _datasets(ctx.input("pairs").uri, hashlib.sha256(spec.vocab_bytes).hexdigest(), cfg)
     ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.num_workers)
     storage.write_text_atomic(storage.join(ctx.output_uri, "deepspeed_config.json"),
                               json.dumps(ds_json, indent=2, sort_keys=True))
     run = RunLogger(ctx.tracking)
     run.log_params(ctx.config, skip_logged=True)
     run.log_dict(ds_json, "deepspeed_config.json")
-
-    storage_path = cfg.storage_path or ctx.paths.ray_results
-    spec = worker_spec(ctx, cfg, storage_path, run_name(ctx, cfg))
     resume = latest_checkpoint(storage_path, spec.run_name, cfg)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
