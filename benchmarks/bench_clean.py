@@ -3,7 +3,7 @@
 1. Cleaning throughput, one process (= per core): our pure core vs WikiExtractor 3.1.0's in-process
    Extractor.clean_text (the tool behind the original BERT/NVIDIA corpora), on the articles of the enwiki sample
    replicated N times; rounds are interleaved and the best round counts, since the machine is shared.
-2. Peak RSS of one clean worker (read + clean, as a Ray task runs it) on the sample replicated 1x and 20x with new
+2. Peak RSS of one clean worker (read + clean + write, as a Ray task runs it) on the sample replicated 1x and 20x with new
    page ids, written as new .bz2 dumps: it must stay flat as the dump grows.
 3. Wall time of the whole stage on 2 files with 1 vs 2 Ray read workers.
 
@@ -104,11 +104,14 @@ def replicate_dump(src: str, dest: Path, copies: int) -> Path:
 
 
 _WORKER = """
-import json, resource, sys, time
-from bertpipe.pipeline.clean import read_and_clean_unit
+import json, resource, sys, tempfile, time
+from bertpipe.pipeline.clean import clean_and_write_unit
 t = time.perf_counter()
-rows = sum(1 for _ in read_and_clean_unit({"uri": sys.argv[1], "start": -1, "end": -1}, max_page_bytes=4_000_000,
-           pages_per_batch=64, min_paragraph_chars=20, min_article_chars=200, skip_disambiguation=True))
+with tempfile.TemporaryDirectory() as out:
+    r = clean_and_write_unit({"uri": sys.argv[1], "start": -1, "end": -1, "index": 0}, output_uri=out,
+                             rows_per_file=20_000, max_page_bytes=4_000_000, pages_per_batch=64,
+                             min_paragraph_chars=20, min_article_chars=200, skip_disambiguation=True)
+rows = sum(v for k, v in r.items() if k.startswith("n_"))
 print(json.dumps({"pages": rows, "seconds": time.perf_counter() - t,
                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """

@@ -1,14 +1,18 @@
 """The `clean` stage: Wikipedia XML dumps -> Parquet documents (id int64, title string, text string).
 
-Ray Data plan: one input row per read unit (a dump, or a byte range of whole bz2 streams of a multistream dump)
--> flat_map `read_and_clean_unit`: streams pages (`read_unit_rows`, text of redirects and other namespaces dropped
-at once) and cleans them 64 at a time (`clean_pages_batch`, pure) in the same task -> materialize -> counts by status
--> articles sorted by id, written as `docs-00000.parquet`... of `rows_per_file` rows each, so two runs on the
-same dumps give byte-identical content whatever the task scheduling was.
+Ray Data plan, one pass: one input row per read unit (a dump, or a byte range of whole bz2 streams of a
+multistream dump) -> `map(clean_and_write_unit)`: the task streams the unit's pages (`read_unit_rows`, text of
+redirects and other namespaces dropped at once), cleans them `pages_per_batch` at a time (`clean_pages_batch`,
+pure) and writes the articles itself, in dump order, as `docs-{unit:05d}-{part:04d}.parquet` of at most
+`rows_per_file` rows (row groups of `ROW_GROUP_ROWS`, the grain the vocab stage samples at). Only a row of
+counts per unit reaches the driver: memory stays one batch per task and nothing goes through the object store,
+whatever the corpus size. File names and contents depend on the unit, not on scheduling, so two runs on the same
+dumps give byte-identical files, and a retried task rewrites the same files.
 """
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter
 from typing import Any, Iterator
@@ -82,39 +86,6 @@ def clean_pages_batch(batch: dict[str, np.ndarray], *, min_paragraph_chars: int,
             "truncated": batch["truncated"], "source": batch["source"]}
 
 
-def read_and_clean_unit(unit: dict[str, Any], *, max_page_bytes: int, pages_per_batch: int,
-                        progress: Reporter | None = None, **clean_kwargs: Any) -> Iterator[dict[str, Any]]:
-    """flat_map: read one unit and clean its pages `pages_per_batch` at a time, in the same task, so raw wikitext
-    never goes through the object store (two operators were not fused by Ray Data and moved every page twice)."""
-    def cleaned(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        batch = {k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]}
-        for k in ("id", "ns", "num_bytes"):
-            batch[k] = batch[k].astype(np.int64)
-        for k in ("redirect", "truncated"):
-            batch[k] = batch[k].astype(bool)
-        out = clean_pages_batch(batch, **clean_kwargs)
-        if progress is not None:
-            progress.add(float(batch["num_bytes"].sum()) / 1e6)
-        keys = list(out)
-        for values in zip(*(out[k] for k in keys)):
-            yield dict(zip(keys, values))
-
-    rows: list[dict[str, Any]] = []
-    for row in read_unit_rows(unit, max_page_bytes=max_page_bytes):
-        rows.append(row)
-        if len(rows) == pages_per_batch:
-            yield from cleaned(rows)
-            rows = []
-    if rows:
-        yield from cleaned(rows)
-
-
-def _articles_only(table: pa.Table) -> pa.Table:
-    import pyarrow.compute as pc
-
-    return table.filter(pc.equal(table["status"], ARTICLE)).select(["id", "title", "text"])
-
-
 # ---------------------------------------------------------------- Ray wrapper
 
 def _input_error_in(exc: BaseException) -> StageInputError | None:
@@ -129,37 +100,113 @@ def _input_error_in(exc: BaseException) -> StageInputError | None:
         if isinstance(e, StageInputError) and not wrapper:
             found = e  # the original, whose message is clean; wrappers that subclass it carry tracebacks
         todo.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
+    if found is None:
+        # Ray Data's `map` wraps a task's error in a UserCodeException that does not carry the original across
+        # processes; only its rendered traceback does, ending with our class name and message.
+        rendered = re.findall(r"StageInputError: ([^\n]+)", str(exc))
+        found = StageInputError(rendered[-1]) if rendered else None
     return found
 
 
-def _write_documents(ds, output_uri: str, rows_per_file: int) -> list[str]:
-    fs, root = storage.resolve(output_uri)
-    fs.create_dir(root, recursive=True)
-    names = []
-    for i, batch in enumerate(ds.iter_batches(batch_size=rows_per_file, batch_format="pyarrow")):
-        name = f"docs-{i:05d}.parquet"
-        path = storage.join(root, name) if "://" not in output_uri else f"{root}/{name}"
-        with fs.open_output_stream(path + ".tmp") as f:
-            pq.write_table(batch.select(["id", "title", "text"]).cast(DOC_SCHEMA), f, compression="zstd")
-        fs.move(path + ".tmp", path)
-        names.append(name)
-    return names
+ROW_GROUP_ROWS = 1_000
+_STATUSES = (ARTICLE, REDIRECT, OTHER_NS, DISAMBIGUATION, TOO_SHORT)
 
 
-def _read_and_clean(units: list[ReadUnit], cfg: CleanConfig):
-    """Every unit read and cleaned by Ray Data tasks (materialized: the counts and the sort read it twice)."""
+class _DocWriter:
+    """Articles of one read unit into `docs-{unit}-{part}.parquet` files of at most `rows_per_file` rows; each file
+    is written under a .tmp name and renamed when whole."""
+
+    def __init__(self, output_uri: str, unit_index: int, rows_per_file: int):
+        self.output_uri, self.unit_index, self.rows_per_file = output_uri, unit_index, rows_per_file
+        self.names: list[str] = []
+        self._writer = self._stream = None
+        self._rows = 0
+
+    def add(self, table: pa.Table) -> None:
+        while table.num_rows:
+            if self._writer is None:
+                self._open()
+            take = min(table.num_rows, self.rows_per_file - self._rows)
+            self._writer.write_table(table.slice(0, take), row_group_size=ROW_GROUP_ROWS)
+            self._rows += take
+            table = table.slice(take)
+            if self._rows == self.rows_per_file:
+                self.close()
+
+    def _open(self) -> None:
+        name = f"docs-{self.unit_index:05d}-{len(self.names):04d}.parquet"
+        fs, path = storage.resolve(storage.join(self.output_uri, name))
+        self._path, self._fs = path, fs
+        self._stream = fs.open_output_stream(path + ".tmp")
+        self._writer = pq.ParquetWriter(self._stream, DOC_SCHEMA, compression="zstd")
+        self.names.append(name)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._stream.close()
+            self._fs.move(self._path + ".tmp", self._path)
+        self._writer = self._stream = None
+        self._rows = 0
+
+
+def clean_and_write_unit(unit: dict[str, Any], *, output_uri: str, rows_per_file: int, max_page_bytes: int,
+                         pages_per_batch: int, progress: Reporter | None = None,
+                         **clean_kwargs: Any) -> dict[str, Any]:
+    """Ray Data `map`: read, clean and write one unit; returns its counts (one small row per unit)."""
+    counts = dict.fromkeys(_STATUSES, 0)
+    wikitext_bytes = truncated = 0
+    writer = _DocWriter(output_uri, int(unit["index"]), rows_per_file)
+    batch: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        nonlocal wikitext_bytes, truncated
+        cols = {k: np.array([r[k] for r in batch], dtype=object) for k in batch[0]}
+        for k in ("id", "ns", "num_bytes"):
+            cols[k] = cols[k].astype(np.int64)
+        for k in ("redirect", "truncated"):
+            cols[k] = cols[k].astype(bool)
+        out = clean_pages_batch(cols, **clean_kwargs)
+        for status in out["status"]:
+            counts[status] += 1
+        wikitext_bytes += int(out["wikitext_bytes"].sum())
+        truncated += int(out["truncated"].sum())
+        keep = out["status"] == ARTICLE
+        if keep.any():
+            writer.add(pa.table({"id": out["id"][keep], "title": out["title"][keep].tolist(),
+                                 "text": out["text"][keep].tolist()}, schema=DOC_SCHEMA))
+        if progress is not None:
+            progress.add(float(cols["num_bytes"].sum()) / 1e6)
+        batch.clear()
+
+    for row in read_unit_rows(unit, max_page_bytes=max_page_bytes):
+        batch.append(row)
+        if len(batch) == pages_per_batch:
+            flush()
+    if batch:
+        flush()
+    writer.close()
+    return {"uri": unit["uri"], "index": unit["index"], "files": writer.names, "wikitext_bytes": wikitext_bytes,
+            "truncated": truncated, **{f"n_{k}": v for k, v in counts.items()}}
+
+
+def _clean_units(units: list[ReadUnit], cfg: CleanConfig, output_uri: str) -> list[dict[str, Any]]:
+    """Every unit read, cleaned and written by Ray Data tasks; their count rows, in unit order."""
     import ray
 
+    fs, root = storage.resolve(output_uri)
+    fs.create_dir(root, recursive=True)
     with remote_progress("clean", None, "MB wikitext") as progress:
-        ds = ray.data.from_items([{"uri": u.uri, "start": u.start, "end": u.end} for u in units],
-                                 override_num_blocks=len(units))
-        ds = ds.flat_map(read_and_clean_unit, concurrency=cfg.num_read_workers or None,
-                         fn_kwargs={"max_page_bytes": cfg.max_page_bytes, "pages_per_batch": cfg.pages_per_batch,
-                                    "min_paragraph_chars": cfg.min_paragraph_chars,
-                                    "min_article_chars": cfg.min_article_chars,
-                                    "skip_disambiguation": cfg.skip_disambiguation, "progress": progress})
-        ds.set_name("clean: read + clean pages")  # what the Ray dashboard's Data page shows
-        return ds.materialize()
+        ds = ray.data.from_items([{"uri": u.uri, "start": u.start, "end": u.end, "index": i}
+                                  for i, u in enumerate(units)], override_num_blocks=len(units))
+        ds = ds.map(clean_and_write_unit, concurrency=cfg.num_read_workers or None,
+                    fn_kwargs={"output_uri": output_uri, "rows_per_file": cfg.rows_per_file,
+                               "max_page_bytes": cfg.max_page_bytes, "pages_per_batch": cfg.pages_per_batch,
+                               "min_paragraph_chars": cfg.min_paragraph_chars,
+                               "min_article_chars": cfg.min_article_chars,
+                               "skip_disambiguation": cfg.skip_disambiguation, "progress": progress})
+        ds.set_name("clean: read + clean + write")  # what the Ray dashboard's Data page shows
+        return sorted(ds.take_all(), key=lambda r: int(r["index"]))
 
 
 def run_stage(ctx: StageContext) -> StageResult:
@@ -172,26 +219,22 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("clean: %d dump(s), %d read unit(s)", len(raw_inputs), len(units))
 
     try:
-        pages = _read_and_clean(units, cfg)
+        rows = _clean_units(units, cfg, ctx.output_uri)
         counts: Counter[str] = Counter()
         per_source: Counter[str] = Counter()
-        num_bytes = truncated = 0
-        for b in pages.select_columns(["status", "wikitext_bytes", "truncated", "source"]) \
-                .iter_batches(batch_size=65_536, batch_format="numpy"):
-            counts.update(b["status"].tolist())
-            per_source.update(b["source"].tolist())
-            num_bytes += int(b["wikitext_bytes"].sum())
-            truncated += int(b["truncated"].astype(bool).sum())
+        for r in rows:
+            counts.update({k: r[f"n_{k}"] for k in _STATUSES})
+            per_source[r["uri"]] += sum(r[f"n_{k}"] for k in _STATUSES)
+        num_bytes = sum(r["wikitext_bytes"] for r in rows)
+        truncated = sum(r["truncated"] for r in rows)
+        files = [str(name) for r in rows for name in list(r["files"])]
         empty = [item["uri"] for item in raw_inputs if per_source[item["uri"]] == 0]
         if empty:
             raise StageInputError(f"no articles: input dump {empty[0]} holds no pages")
         if counts[ARTICLE] == 0:
             raise StageInputError(f"no articles kept from {[i['uri'] for i in raw_inputs]} "
                                   f"({sum(counts.values())} pages seen: {dict(counts)})")
-        log.info("clean: %d pages -> %d articles; writing files of %d rows", sum(counts.values()), counts[ARTICLE],
-                 cfg.rows_per_file)
-        docs = pages.map_batches(_articles_only, batch_format="pyarrow").sort("id")
-        files = _write_documents(docs, ctx.output_uri, cfg.rows_per_file)
+        log.info("clean: %d pages -> %d articles in %d files", sum(counts.values()), counts[ARTICLE], len(files))
     except Exception as exc:  # noqa: BLE001 - only to unwrap; anything else re-raises untouched
         inner = _input_error_in(exc)
         if inner is None or inner is exc:

@@ -48,6 +48,10 @@ class VocabConfig:
     lowercase: bool = True
     min_frequency: int = 2
     limit_alphabet: int = 1_000
+    # The trainer reads at most this much text, drawn at random (seeded) across the whole corpus in pieces of
+    # one Parquet row group (1,000 documents) or one text file, so its time and memory stop growing with the
+    # corpus. 0 = the whole corpus.
+    max_sample_bytes: int = 300_000_000
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import posixpath
+import random
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pyarrow as pa
@@ -65,28 +67,84 @@ def _read_bytes(uri: str) -> bytes:
         return f.read()
 
 
-def _parquet_texts(uri: str, batch_rows: int) -> Iterator[list[str]]:
+@dataclass(frozen=True)
+class TextPiece:
+    """The grain documents are sampled at: one row group of a Parquet file, or a whole text file."""
+
+    uri: str
+    row_group: int = -1  # -1: the whole file
+    num_bytes: int = 0  # text bytes (Parquet: the text column's uncompressed size)
+
+
+def _parquet_pieces(uri: str) -> list[TextPiece]:
     fs, path = storage.resolve(uri)
     with fs.open_input_file(path) as f:
-        parquet = pq.ParquetFile(f)
-        if "text" not in parquet.schema_arrow.names:
-            raise StageInputError(f"{uri} has no `text` column (columns: {parquet.schema_arrow.names})")
-        for batch in parquet.iter_batches(batch_size=batch_rows, columns=["text"]):
-            yield [t for t in batch.column(0).to_pylist() if t]
+        meta = pq.ParquetFile(f).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if "text" not in names:
+        raise StageInputError(f"{uri} has no `text` column (columns: {names})")
+    column = names.index("text")
+    return [TextPiece(uri, g, meta.row_group(g).column(column).total_uncompressed_size)
+            for g in range(meta.num_row_groups)]
 
 
-def iter_texts(files: list[str], batch_rows: int = 1024) -> Iterator[list[str]]:
-    """Document texts, one batch at a time (bounded memory whatever the corpus size)."""
+def text_pieces(files: list[str]) -> list[TextPiece]:
+    """Every piece of `files`, in order, with its size; reads Parquet footers only."""
+    out: list[TextPiece] = []
     for uri in files:
         try:
             if uri.endswith(TEXT_SUFFIXES):
-                docs = [d["text"] for d in text_documents(_read_bytes(uri), uri)]
-                for i in range(0, len(docs), batch_rows):
-                    yield docs[i:i + batch_rows]
+                fs, path = storage.resolve(uri)
+                out.append(TextPiece(uri, -1, fs.get_file_info(path).size))
             else:
-                yield from _parquet_texts(uri, batch_rows)
+                out.extend(_parquet_pieces(uri))
         except (OSError, pa.ArrowException) as exc:
             raise StageInputError(f"cannot read documents {uri}: {exc}") from exc
+    return out
+
+
+def sample_pieces(pieces: list[TextPiece], max_bytes: int, seed: int) -> list[TextPiece]:
+    """Pieces drawn at random (seeded) across the whole corpus until they hold `max_bytes` of text, in corpus
+    order; all of them when the corpus is smaller or `max_bytes` is 0."""
+    if max_bytes <= 0 or sum(p.num_bytes for p in pieces) <= max_bytes:
+        return list(pieces)
+    chosen, used = [], 0
+    for i in random.Random(seed).sample(range(len(pieces)), len(pieces)):
+        if used >= max_bytes:
+            break
+        chosen.append(i)
+        used += pieces[i].num_bytes
+    return [pieces[i] for i in sorted(chosen)]
+
+
+def _piece_texts(piece: TextPiece, batch_rows: int) -> Iterator[list[str]]:
+    if piece.uri.endswith(TEXT_SUFFIXES):
+        docs = [d["text"] for d in text_documents(_read_bytes(piece.uri), piece.uri)]
+        for i in range(0, len(docs), batch_rows):
+            yield docs[i:i + batch_rows]
+        return
+    fs, path = storage.resolve(piece.uri)
+    with fs.open_input_file(path) as f:
+        parquet = pq.ParquetFile(f)
+        if "text" not in parquet.schema_arrow.names:
+            raise StageInputError(f"{piece.uri} has no `text` column (columns: {parquet.schema_arrow.names})")
+        groups = None if piece.row_group < 0 else [piece.row_group]
+        for batch in parquet.iter_batches(batch_size=batch_rows, columns=["text"], row_groups=groups):
+            yield [t for t in batch.column(0).to_pylist() if t]
+
+
+def iter_piece_texts(pieces: list[TextPiece], batch_rows: int = 1024) -> Iterator[list[str]]:
+    """Document texts of `pieces`, one batch at a time (bounded memory whatever the corpus size)."""
+    for piece in pieces:
+        try:
+            yield from _piece_texts(piece, batch_rows)
+        except (OSError, pa.ArrowException) as exc:
+            raise StageInputError(f"cannot read documents {piece.uri}: {exc}") from exc
+
+
+def iter_texts(files: list[str], batch_rows: int = 1024) -> Iterator[list[str]]:
+    """Document texts of whole files, one batch at a time."""
+    return iter_piece_texts([TextPiece(uri) for uri in files], batch_rows)
 
 
 def _text_file_rows(row: dict[str, Any]) -> list[dict[str, Any]]:

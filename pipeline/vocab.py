@@ -4,8 +4,9 @@ Trained vocabularies reproduce the layout of Google's uncased BERT vocabulary: [
 [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103, then the learned pieces. Other stages still look special ids up by
 name (`special_ids`), so any vocab.txt that contains the five special tokens works.
 
-The corpus is streamed one Parquet record batch at a time, twice (character counts, then the trainer); the text
-is never held whole. Training is reproducible: the same corpus and config give a byte-identical vocab.txt in any
+The trainer reads a bounded sample of the corpus (`vocab.max_sample_bytes`, whole row groups drawn at random with
+the seed across every file), read once and held in memory for the two uses the algorithm needs: the character
+counts that fix the alphabet, then the trainer itself. The rest of the corpus is never read (footers only). Training is reproducible: the same corpus and config give a byte-identical vocab.txt in any
 process (see "deterministic training" below for why `tokenizers` needs help with that).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.config import VocabConfig
-from bertpipe.pipeline.documents import document_files, iter_texts
+from bertpipe.pipeline.documents import TextPiece, document_files, iter_piece_texts, sample_pieces, text_pieces
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger(__name__)
@@ -189,14 +190,16 @@ def continuation_pieces(alphabet: list[str]) -> list[str]:
     return [f"##{ch}" for ch in alphabet if not _is_punctuation(ch) and not _is_cjk(ch)]
 
 
-def train_vocab(files: list[str], cfg: VocabConfig) -> list[str]:
-    """Train WordPiece on the documents in `files`: the same files and config give the same tokens, in any process.
+def train_vocab(pieces: list[TextPiece], cfg: VocabConfig) -> list[str]:
+    """Train WordPiece on the documents of `pieces`: the same pieces and config give the same tokens, in any
+    process.
 
     Layout: Google's specials at 0..103, then the alphabet, then the "##c" pieces, then the learned pieces in the
     order they were learned.
     """
+    batches = list(iter_piece_texts(pieces))  # bounded by vocab.max_sample_bytes; used twice below
     raw_counts: dict[int, int] = {}
-    for texts in iter_texts(files):
+    for texts in batches:
         count_raw_chars(texts, raw_counts)
     alphabet = training_alphabet(raw_counts, cfg.lowercase, cfg.limit_alphabet)
     pieces = continuation_pieces(alphabet)
@@ -211,7 +214,7 @@ def train_vocab(files: list[str], cfg: VocabConfig) -> list[str]:
         continuing_subword_prefix="##",
         show_progress=False,
     )
-    tokenizer.train_from_iterator(iter_texts(files), trainer=trainer)
+    tokenizer.train_from_iterator(iter(batches), trainer=trainer)
     by_id = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
     tokens = [t for t, _ in by_id]
     assert [i for _, i in by_id] == list(range(len(tokens))), "trained ids are not contiguous"
@@ -228,8 +231,8 @@ def train_vocab(files: list[str], cfg: VocabConfig) -> list[str]:
     return head + chars + [t for t in rest if len(t) != 1]
 
 
-def _train_remote(files: list[str], cfg: VocabConfig) -> list[str]:
-    return train_vocab(files, cfg)
+def _train_remote(pieces: list[TextPiece], cfg: VocabConfig) -> list[str]:
+    return train_vocab(pieces, cfg)
 
 
 def describe_raw_inputs(cfg: VocabConfig) -> list[dict]:
@@ -253,15 +256,18 @@ def run_stage(ctx: StageContext) -> StageResult:
     else:
         if cfg.vocab_size <= len(GOOGLE_SPECIAL_LAYOUT):
             raise ValueError(f"vocab.vocab_size={cfg.vocab_size} leaves no room beside the {len(GOOGLE_SPECIAL_LAYOUT)} special slots")
-        files = document_files(ctx.input("clean").uri)
-        log.info("vocab: training WordPiece (target %d) on %d clean files", cfg.vocab_size, len(files))
+        pieces = text_pieces(document_files(ctx.input("clean").uri))
+        sample = sample_pieces(pieces, cfg.max_sample_bytes, ctx.seed)
+        corpus_bytes, sample_bytes = sum(p.num_bytes for p in pieces), sum(p.num_bytes for p in sample)
+        log.info("vocab: training WordPiece (target %d) on %.1f MB sampled from %.1f MB of text", cfg.vocab_size,
+                 sample_bytes / 1e6, corpus_bytes / 1e6)
         import ray
 
         if ray.is_initialized():
             # Train on a worker, not the driver: the driver may be a small head node.
-            tokens = ray.get(ray.remote(_train_remote).remote(files, cfg))
+            tokens = ray.get(ray.remote(_train_remote).remote(sample, cfg))
         else:
-            tokens = train_vocab(files, cfg)
+            tokens = train_vocab(sample, cfg)
         data = ("\n".join(tokens) + "\n").encode("utf-8")
         source = "trained"
         raw_inputs = []
@@ -272,6 +278,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     # Validate what we wrote exactly as downstream stages will read it.
     load_vocab(out_vocab)
     metrics = {
+        **({"corpus_text_mb": round(corpus_bytes / 1e6, 3), "sample_text_mb": round(sample_bytes / 1e6, 3)}
+           if source == "trained" else {}),
         "vocab_size": float(len(tokens)),
         "vocab_size_target": float(cfg.vocab_size),
         "seconds": round(time.time() - started, 3),

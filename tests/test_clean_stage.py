@@ -44,7 +44,7 @@ def test_enwiki_sample_end_to_end_and_deterministic(ray_local, enwiki_sample, tm
     assert m["mb_wikitext"] > 5 and m["mb_per_second"] > 0
     assert result.raw_inputs[0]["checksum"] == "sha256:" + hashlib.sha256(enwiki_sample.read_bytes()).hexdigest()
     files = _parquet_files(tmp_path / "a")
-    assert files == [f"docs-{i:05d}.parquet" for i in range(8)]  # ceil(97 / 13)
+    assert files == [f"docs-00000-{i:04d}.parquet" for i in range(8)]  # one read unit: ceil(97 / 13) files
     tables = [pq.read_table(tmp_path / "a" / f) for f in files]
     assert [t.num_rows for t in tables] == [13] * 7 + [6]
     docs = pq.read_table(tmp_path / "a")

@@ -91,3 +91,35 @@ def test_existing_path_is_copied(tmp_path, google_vocab):
     result = run_stage(_ctx(tmp_path, VocabConfig(path=google_vocab)))
     assert vocab_hash(str(tmp_path / "vocab")) == vocab_hash(google_vocab) == result.extra["vocab_hash"]
     assert set(SPECIAL_TOKENS) <= set(load_vocab(str(tmp_path / "vocab")))
+
+
+def test_trainer_reads_a_bounded_seeded_sample_spread_over_the_corpus(tmp_path, enwiki_sample):
+    from bertpipe.pipeline.documents import sample_pieces, text_pieces
+
+    docs = crude_docs(enwiki_sample)
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    # Real clean-stage layout: files of row groups, the grain the sample is drawn at (4 docs per row group here).
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    for i in range(0, len(docs), 20):
+        pq.write_table(pa.Table.from_pylist(docs[i:i + 20]), clean / f"docs-{i // 20:05d}.parquet", row_group_size=4)
+    pieces = text_pieces(sorted(str(p) for p in clean.glob("*.parquet")))
+    total = sum(p.num_bytes for p in pieces)
+    assert len(pieces) >= 20 and total > 300_000
+
+    budget = total // 4
+    picked = sample_pieces(pieces, budget, seed=1)
+    used = sum(p.num_bytes for p in picked)
+    # Stops at the first piece that reaches the budget: at least the budget, at most one piece more.
+    assert budget <= used < budget + max(p.num_bytes for p in pieces)
+    assert picked == sample_pieces(pieces, budget, seed=1) != sample_pieces(pieces, budget, seed=2)
+    assert len({p.uri for p in picked}) >= 3, "the sample should come from across the corpus, not one file"
+    assert sample_pieces(pieces, 0, seed=1) == pieces == sample_pieces(pieces, total, seed=1)
+
+    result = run_stage(_ctx(tmp_path, VocabConfig(vocab_size=2_001, max_sample_bytes=budget), clean))
+    assert result.metrics["sample_text_mb"] == round(used / 1e6, 3) < result.metrics["corpus_text_mb"]
+    again = run_stage(_ctx(tmp_path / "again", VocabConfig(vocab_size=2_001, max_sample_bytes=budget), clean))
+    assert again.extra["vocab_hash"] == result.extra["vocab_hash"]
+    whole = run_stage(_ctx(tmp_path / "whole", VocabConfig(vocab_size=2_001, max_sample_bytes=0), clean))
+    assert whole.extra["vocab_hash"] != result.extra["vocab_hash"]  # the sample is what it trained on
