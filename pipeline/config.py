@@ -67,8 +67,6 @@ class PairsConfig:
     num_shards: int = 8
     # Fraction of documents kept out of training for the held-out MLM/NSP evaluation.
     heldout_fraction: float = 0.02
-    # Documents per pairing pool: the NotNext B is drawn from the other documents of the pool (after a global
-    # shuffle), and one pool's token ids are what a worker holds in memory.
+    # Documents per pairing pool (one task of the first pass): the NotNext B is drawn from the other documents of
+    # the pool, and one pool's tokens and instances are what a task holds in memory.
     docs_per_partition: int = 2_000
-    # Documents per tokenization batch (one encode_batch call covers all their sentences).
-    docs_per_tokenize_batch: int = 256

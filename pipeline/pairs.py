@@ -1,9 +1,16 @@
 """The `pairs` stage: clean documents -> sentences -> WordPiece ids -> NSP instances -> equal-row Parquet shards.
 
 Pure core (testable without Ray): `encode_documents` (split + batched Rust tokenization) and `pair_table`
-(instances of one pool of documents). Ray wrapper: read -> tokenize (map_batches) -> hold out by doc-id hash ->
-random_shuffle(seed) so each pairing partition is a random sample of the corpus -> pair per max_seq_length ->
-split into `num_shards` equal slices (remainder dropped and counted) -> one writer task per shard.
+(instances of one pool of documents). Ray wrapper, two passes, streaming, memory bounded by one block or one
+bucket whatever the corpus size:
+1. one Ray Data job, `pair_block` per pool of `docs_per_partition` documents: tokenize once; hold out documents by
+   id hash; for every max_seq_length pair the pool (NotNext B from another document of the same pool, as LDDL
+   draws from its partition), shuffle, deal the instances round-robin into G buckets and write them as one part
+   file of G row groups (held-out instances as a part of their own). Only a row of counters per block comes back.
+2. per length, one task per bucket reads that row group of every part, shuffles it and writes num_shards / G
+   shards of exactly the same row count (the smallest bucket sets it; the few extra rows are dropped and
+   counted); one task concatenates the held-out parts. Then the part files are deleted.
+Equal-row shards need every block's count first, so the instances are written twice: the only second pass.
 
 Why tokenization is not one `encode` per sentence: per batch of documents, printable-ASCII sentences skip the
 Unicode normalizer and are pre-tokenized by one regex, and each distinct word goes through Rust WordPiece once
@@ -20,6 +27,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from bertpipe.pipeline import shards, storage
 from bertpipe.pipeline.config import PairsConfig, VocabConfig
@@ -32,9 +40,6 @@ from bertpipe.pipeline.vocab import load_vocab, make_tokenizer, special_ids, voc
 
 log = logging.getLogger(__name__)
 
-TOKENIZED_SCHEMA = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32())), ("bounds", pa.list_(pa.int32()))])
-# Per-batch counters carried on the first row of each pairing batch (0 elsewhere), summed by the driver.
-STAT_COLUMNS = ("_doc_passes", "_short_targets", "_no_other_document")
 
 
 # ----------------------------------------------------------------------------------------------- pure core
@@ -178,59 +183,105 @@ def pair_table(flat: np.ndarray, bounds: list[list[int]], *, max_seq_length: int
     return table, stats
 
 
-# ----------------------------------------------------------------------------------- Ray Data map functions
+# ------------------------------------------------------------------------------- pass 1: one task per block
+
+# Buckets of the streaming shuffle: every pairing block spreads its (already shuffled) instances over G buckets,
+# one Parquet row group each, and bucket g becomes num_shards / G shards. More buckets would mean more, smaller
+# row groups for the reducers to find in every part file.
+MAX_BUCKETS = 128
+PARTS_DIR = "_parts"
+_COUNTERS = ("doc_passes", "short_targets", "no_other_document", "random_next", "instance_tokens")
 
 
-def tokenize_batch(batch: pa.Table, *, vocab_uri: str, lowercase: bool, progress: Reporter | None = None) -> pa.Table:
-    """map_batches: clean documents (id, text) -> (id, tokens, bounds) with per-document bounds from 0."""
+def num_buckets(num_shards: int) -> int:
+    """The largest divisor of num_shards that is at most MAX_BUCKETS."""
+    return max(g for g in range(1, min(num_shards, MAX_BUCKETS) + 1) if num_shards % g == 0)
+
+
+def _write_part(uri: str, table: pa.Table, groups: list[pa.Table] | None = None) -> None:
+    """An intermediate file (uncompressed: written once, read once, deleted); `groups` = one row group each."""
+    fs, path = storage.resolve(uri)
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(path + ".tmp") as f, pq.ParquetWriter(f, table.schema, compression="none") as w:
+        for group in (groups if groups is not None else [table]):
+            w.write_table(group, row_group_size=max(group.num_rows, 1))
+    fs.move(path + ".tmp", path)
+
+
+def _pair_length(flat, bounds, held, *, length, seed, key, dupe_factor, buckets, parts_uri, pair_kwargs) -> dict:
+    """Training and held-out instances of one block at one length, written as part files; their counters."""
+    train_bounds = [b for b, h in zip(bounds, held) if not h]
+    held_bounds = [b for b, h in zip(bounds, held) if h]
+    table, stats = pair_table(flat, train_bounds, max_seq_length=length, dupe_factor=dupe_factor,
+                              seed_parts=(seed, "pairs", length, key), **pair_kwargs)
+    # The rows are in random order already: dealing them round-robin from a random bucket gives every bucket a
+    # random share, and bucket sizes that differ by at most one row per block (so few rows are dropped to
+    # equalise the shards).
+    first = derive_seed(seed, "bucket", length, key) % buckets
+    rows = [table.take(np.arange((g - first) % buckets, table.num_rows, buckets)) for g in range(buckets)]
+    _write_part(storage.join(parts_uri, shards.seq_dir(length), f"train-{key}.parquet"), table, rows)
+    held_table, _ = pair_table(flat, held_bounds, max_seq_length=length, dupe_factor=1,
+                               seed_parts=(seed + 1, "pairs", length, key), **pair_kwargs)
+    if held_table.num_rows:
+        _write_part(storage.join(parts_uri, shards.seq_dir(length), f"heldout-{key}.parquet"), held_table)
+    random_next = int(np.asarray(table.column("next_sentence_label")).sum()) if table.num_rows else 0
+    instance_tokens = int(np.asarray(table.column("num_tokens"), np.int64).sum()) if table.num_rows else 0
+    return {f"rows_{length}": [r.num_rows for r in rows], f"held_{length}": held_table.num_rows,
+            **{f"{name}_{length}": value for name, value in zip(_COUNTERS, (
+                stats.num_doc_passes, stats.num_short_targets, stats.num_no_other_document, random_next,
+                instance_tokens))}}
+
+
+def pair_block(batch: pa.Table, *, vocab_uri: str, lowercase: bool, seeds: dict[int, int], heldout_fraction: float,
+               dupe_factor: int, buckets: int, parts_uri: str, pair_kwargs: dict,
+               progress: Reporter | None = None) -> pa.Table:
+    """map_batches, the whole first pass on one pool of documents: tokenize once, then for every length pair the
+    training documents (NotNext from the same pool) and the held-out ones, and write both as part files. Returns
+    one row of counters: instances never travel through the object store."""
+    ids = np.asarray(batch.column("id").cast(pa.int64()).to_numpy(zero_copy_only=False))
     flat, bounds = encode_documents(batch.column("text").to_pylist(), cached_tokenizers(vocab_uri, lowercase), lowercase)
+    held = [is_heldout(int(i), heldout_fraction) for i in ids]
+    # The block's identity comes from its content (Ray Data does not tell a batch its index): its seeds and file
+    # names are the same on every run and on a retry.
+    key = hashlib.sha256(ids.tobytes()).hexdigest()[:16]
+    row: dict = {"key": key, "documents": len(ids), "tokens": int(flat.size)}
+    for length, seed in seeds.items():
+        row.update(_pair_length(flat, bounds, held, length=length, seed=seed, key=key, dupe_factor=dupe_factor,
+                                buckets=buckets, parts_uri=parts_uri, pair_kwargs=pair_kwargs))
     if progress is not None:
-        progress.add(batch.num_rows)
-    doc_start = np.array([b[0] for b in bounds] + [flat.size], dtype=np.int32)
-    local_bounds = [[x - b[0] for x in b] for b in bounds]
-    return pa.table({
-        "id": batch.column("id").cast(pa.int64()),
-        "tokens": pa.ListArray.from_arrays(pa.array(doc_start), pa.array(flat, pa.int32())),
-        "bounds": pa.array(local_bounds, pa.list_(pa.int32())),
-    }, schema=TOKENIZED_SCHEMA)
+        progress.add(len(ids))
+    return pa.Table.from_pylist([row])
 
 
-def select_heldout(batch: pa.Table, *, fraction: float, heldout: bool) -> pa.Table:
-    mask = [is_heldout(i, fraction) == heldout for i in batch.column("id").to_pylist()]
-    return batch.filter(pa.array(mask, pa.bool_()))
+# --------------------------------------------------------------- pass 2: equal-row shards from the part files
 
 
-def pair_batch(batch: pa.Table, *, seed: int, max_seq_length: int, short_seq_prob: float, dupe_factor: int,
-               cls_id: int, sep_id: int, vocab_size: int, progress: Reporter | None = None) -> pa.Table:
-    """map_batches: a pool of tokenized documents -> instances (+ per-batch counters in STAT_COLUMNS)."""
-    if progress is not None:
-        progress.add(batch.num_rows)
-    tokens = batch.column("tokens").combine_chunks()
-    flat = tokens.values.to_numpy(zero_copy_only=False)
-    starts = tokens.offsets.to_numpy()[:-1] - tokens.offsets[0].as_py()
-    bounds = [[x + int(s) for x in b] for s, b in zip(starts, batch.column("bounds").to_pylist())]
-    ids = batch.column("id").to_pylist()
-    # The partition's identity comes from its content (Ray Data does not tell a batch its index): deterministic
-    # as long as the shuffle is.
-    key = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:16]
-    table, stats = pair_table(flat, bounds, max_seq_length=max_seq_length, short_seq_prob=short_seq_prob,
-                              dupe_factor=dupe_factor, seed_parts=(seed, "pairs", max_seq_length, key),
-                              cls_id=cls_id, sep_id=sep_id, id_type=shards.id_type(vocab_size))
-    counters = (stats.num_doc_passes, stats.num_short_targets, stats.num_no_other_document)
-    for name, value in zip(STAT_COLUMNS, counters):
-        column = np.zeros(table.num_rows, np.int64)
-        if table.num_rows:
-            column[0] = value
-        table = table.append_column(name, pa.array(column))
-    return table
+def _read_group(uri: str, group: int) -> pa.Table:
+    fs, path = storage.resolve(uri)
+    with fs.open_input_file(path) as f:
+        return pq.ParquetFile(f).read_row_group(group)
 
 
-def _write_shard_task(uri: str, schema_bytes: bytes, *tables: pa.Table) -> int:
-    """Ray task: concatenate the blocks of one shard, drop the counters, cast to the shard schema, write."""
+def reduce_bucket(parts: list[str], group: int, shard_uris: list[str], rows_per_shard: int, schema_bytes: bytes,
+                  seed: int) -> int:
+    """Ray task: bucket `group` of every part file -> shuffled -> len(shard_uris) shards of rows_per_shard rows
+    (the bucket's rows beyond that are dropped at random). Holds one bucket: total / G rows."""
     schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
-    parts = [t.drop_columns([c for c in STAT_COLUMNS if c in t.column_names]).cast(schema) for t in tables if t.num_rows]
-    table = pa.concat_tables(parts) if parts else schema.empty_table()
-    shards.write_shard(uri, table.replace_schema_metadata(schema.metadata))
+    tables = [t for t in (_read_group(u, group) for u in parts) if t.num_rows]
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    order = np.random.default_rng(seed).permutation(table.num_rows)[: rows_per_shard * len(shard_uris)]
+    table = table.take(order).cast(schema).replace_schema_metadata(schema.metadata)
+    for k, uri in enumerate(shard_uris):
+        shards.write_shard(uri, table.slice(k * rows_per_shard, rows_per_shard))
+    return table.num_rows
+
+
+def concat_parts(parts: list[str], uri: str, schema_bytes: bytes) -> int:
+    """Ray task: the held-out part files, in order, as one shard."""
+    schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
+    tables = [pq.read_table(storage.resolve(u)[1], filesystem=storage.resolve(u)[0]) for u in parts]
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    shards.write_shard(uri, table.cast(schema).replace_schema_metadata(schema.metadata))
     return table.num_rows
 
 
@@ -246,84 +297,68 @@ def _lowercase(ctx: StageContext) -> bool:
     return cfg.lowercase if isinstance(cfg, VocabConfig) else True
 
 
-def _write_length(ctx, cfg, train, heldout, length, meta, vocab_size, seed, pair_kwargs):
-    """Pair, split into equal shards and write one max_seq_length; returns its metrics."""
+def _first_pass(ctx: StageContext, cfg: PairsConfig, files: list[str], block_kwargs: dict) -> list[dict]:
+    """One Ray Data job over the documents: every block paired and written; its counter rows, sorted by key."""
+    from ray.data import DataContext
+
+    known = (ctx.input("clean").manifest or {}).get("num_rows")  # documents, when the clean stage made them
+    data_ctx = DataContext.get_current()
+    saved_order = data_ctx.execution_options.preserve_order
+    data_ctx.execution_options.preserve_order = True  # same input -> same blocks -> same keys, seeds and bytes
+    try:
+        with remote_progress("pairs", known, "docs") as progress:
+            ds = read_documents(files).map_batches(pair_block, batch_size=cfg.docs_per_partition,
+                                                   batch_format="pyarrow", fn_kwargs={**block_kwargs,
+                                                                                      "progress": progress})
+            ds.set_name("pairs: tokenize + pair + write parts")  # what the Ray dashboard's Data page shows
+            rows = ds.take_all()
+    finally:
+        data_ctx.execution_options.preserve_order = saved_order
+    return sorted(rows, key=lambda r: r["key"])
+
+
+def _second_pass(ctx, cfg, rows, length, seed, schema, parts_uri) -> dict:
+    """Equal-row shards of one length from the part files (one task per bucket) and the held-out shard."""
     import ray
 
-    kwargs = dict(pair_kwargs, max_seq_length=length)
-    schema = shards.shard_schema(vocab_size, length, meta)
-    schema_bytes = schema.serialize().to_pybytes()
-    out_dir = storage.join(ctx.output_uri, shards.seq_dir(length))
-    write = ray.remote(_write_shard_task)
-
-    with remote_progress(f"pairs seq {length}", train.count(), "docs") as progress:
-        instances = train.map_batches(
-            pair_batch, batch_size=cfg.docs_per_partition, batch_format="pyarrow",
-            fn_kwargs=dict(kwargs, seed=seed, dupe_factor=cfg.dupe_factor, progress=progress))
-        instances.set_name(f"pairs: instances seq {length}")
-        instances = instances.materialize()
-    total = instances.count()
-    rows = total // cfg.num_shards
-    if rows == 0:
+    buckets = num_buckets(cfg.num_shards)
+    per_bucket = cfg.num_shards // buckets
+    sizes = np.sum([r[f"rows_{length}"] for r in rows], axis=0) if rows else np.zeros(buckets, np.int64)
+    total = int(sizes.sum())
+    rows_per_shard = int(sizes.min()) // per_bucket
+    if rows_per_shard == 0:
         raise StageInputError(f"{ctx.input('clean').uri} yields {total} instances at max_seq_length={length}: "
                               f"too few for pairs.num_shards={cfg.num_shards}")
-    parts = instances.split_at_indices([rows * k for k in range(1, cfg.num_shards + 1)])
-    pending = [write.remote(storage.join(out_dir, shards.train_shard_name(k)), schema_bytes, *part.to_arrow_refs())
-               for k, part in enumerate(parts[:cfg.num_shards])]
-    # The held-out set is one pass (no dupes): it measures, it does not train.
-    held = heldout.map_batches(pair_batch, batch_size=cfg.docs_per_partition, batch_format="pyarrow",
-                               fn_kwargs=dict(kwargs, seed=seed + 1, dupe_factor=1)).materialize()
-    pending.append(write.remote(storage.join(out_dir, shards.HELDOUT_NAME), schema_bytes, *held.to_arrow_refs()))
+    schema_bytes = schema.serialize().to_pybytes()
+    part_dir = storage.join(parts_uri, shards.seq_dir(length))
+    out_dir = storage.join(ctx.output_uri, shards.seq_dir(length))
+    train_parts = [storage.join(part_dir, f"train-{r['key']}.parquet") for r in rows]
+    pending = [ray.remote(reduce_bucket).remote(
+        train_parts, g, [storage.join(out_dir, shards.train_shard_name(g * per_bucket + k)) for k in range(per_bucket)],
+        rows_per_shard, schema_bytes, derive_seed(seed, "reduce", length, g) % 2**32) for g in range(buckets)]
+    held_parts = [storage.join(part_dir, f"heldout-{r['key']}.parquet") for r in rows if r[f"held_{length}"]]
+    pending.append(ray.remote(concat_parts).remote(held_parts, storage.join(out_dir, shards.HELDOUT_NAME),
+                                                   schema_bytes))
     written = ray.get(pending)
-    assert all(n == rows for n in written[:-1]), f"unequal shards {written}"
-    sums = {c: instances.sum(c) or 0 for c in STAT_COLUMNS} if total else dict.fromkeys(STAT_COLUMNS, 0)
-    random_next = instances.sum("next_sentence_label") or 0
-    tokens = instances.sum("num_tokens") or 0
+    sums = {name: sum(r[f"{name}_{length}"] for r in rows) for name in _COUNTERS}
+    kept = rows_per_shard * cfg.num_shards
+    assert sum(written[:-1]) == kept, f"shards hold {written[:-1]} rows, expected {kept}"
     log.info("pairs: seq %d: %d instances (%.1f%% NotNext) -> %d shards x %d rows, %d dropped, %d held out",
-             length, total, 100 * random_next / max(total, 1), cfg.num_shards, rows, total - rows * cfg.num_shards,
+             length, total, 100 * sums["random_next"] / max(total, 1), cfg.num_shards, rows_per_shard, total - kept,
              written[-1])
     return {
         f"instances_seq{length}": total,
-        f"instances_written_seq{length}": rows * cfg.num_shards,
+        f"instances_written_seq{length}": kept,
         f"heldout_instances_seq{length}": written[-1],
-        f"rows_dropped_for_equal_shards_seq{length}": total - rows * cfg.num_shards,
-        f"nsp_random_fraction_seq{length}": random_next / max(total, 1),
-        f"short_target_fraction_seq{length}": sums["_short_targets"] / max(sums["_doc_passes"], 1),
-        f"no_other_document_chunks_seq{length}": sums["_no_other_document"],
-        f"instance_tokens_seq{length}": tokens,
+        f"rows_dropped_for_equal_shards_seq{length}": total - kept,
+        f"nsp_random_fraction_seq{length}": sums["random_next"] / max(total, 1),
+        f"short_target_fraction_seq{length}": sums["short_targets"] / max(sums["doc_passes"], 1),
+        f"no_other_document_chunks_seq{length}": sums["no_other_document"],
+        f"instance_tokens_seq{length}": sums["instance_tokens"],
     }
 
 
-def _tokenized_split(ctx: StageContext, cfg: PairsConfig, files: list[str], vocab_uri: str, lowercase: bool,
-                     started: float):
-    """(shuffled training documents, held-out documents, document count, token count), tokenized."""
-    known = (ctx.input("clean").manifest or {}).get("num_rows")  # documents, when the clean stage made them
-    with remote_progress("pairs tokenize", known, "docs") as progress:
-        tokenized = read_documents(files).map_batches(
-            tokenize_batch, batch_size=cfg.docs_per_tokenize_batch, batch_format="pyarrow",
-            fn_kwargs={"vocab_uri": vocab_uri, "lowercase": lowercase, "progress": progress})
-        tokenized.set_name("pairs: tokenize")  # what the Ray dashboard's Data page shows
-        tokenized = tokenized.materialize()
-    num_docs = tokenized.count()
-    corpus_tokens = int(tokenized.map_batches(
-        lambda b: pa.table({"n": [len(b.column("tokens").combine_chunks().values)]}), batch_format="pyarrow"
-    ).sum("n") or 0)
-    log.info("pairs: tokenized %d documents, %d tokens (%.0f tokens/s)", num_docs, corpus_tokens,
-             corpus_tokens / max(time.time() - started, 1e-9))
-    train = tokenized.map_batches(select_heldout, batch_format="pyarrow",
-                                  fn_kwargs={"fraction": cfg.heldout_fraction, "heldout": False})
-    heldout = tokenized.map_batches(select_heldout, batch_format="pyarrow",
-                                    fn_kwargs={"fraction": cfg.heldout_fraction, "heldout": True}).materialize()
-    # Shuffle documents across partitions: each pairing pool becomes a random sample of the corpus, so the
-    # NotNext draw is close to the original's whole-corpus draw while memory stays one partition.
-    train = train.random_shuffle(seed=derive_seed(ctx.seed, "pairs", "shuffle") % 2**32).materialize()
-    log.info("pairs: %d training documents shuffled, %d held out", train.count(), heldout.count())
-    return train, heldout, num_docs, corpus_tokens
-
-
 def run_stage(ctx: StageContext) -> StageResult:
-    from ray.data import DataContext
-
     cfg: PairsConfig = ctx.config["pairs"]
     started = time.time()
     vocab_uri = vocab_file(ctx.input("vocab").uri)
@@ -332,23 +367,23 @@ def run_stage(ctx: StageContext) -> StageResult:
     lowercase = _lowercase(ctx)
     files = document_files(ctx.input("clean").uri)
     v_hash = vocab_hash(vocab_uri)
-
-    data_ctx = DataContext.get_current()
-    saved_order = data_ctx.execution_options.preserve_order
-    data_ctx.execution_options.preserve_order = True  # same seed -> same blocks in the same order -> same bytes
-    try:
-        train, heldout, num_docs, corpus_tokens = _tokenized_split(ctx, cfg, files, vocab_uri, lowercase, started)
-        meta_common = dict(vocab_hash=v_hash, vocab_size=len(tokens_list), do_lower_case=lowercase,
-                           special_ids=specials)
-        pair_kwargs = dict(short_seq_prob=cfg.short_seq_prob, cls_id=specials["[CLS]"], sep_id=specials["[SEP]"],
-                           vocab_size=len(tokens_list))
-        metrics: dict[str, float] = {}
-        for length in cfg.max_seq_lengths:
-            meta = shards.shard_meta(max_seq_length=length, **meta_common)
-            seed = derive_seed(ctx.seed, "pairs", length) % 2**31
-            metrics.update(_write_length(ctx, cfg, train, heldout, length, meta, len(tokens_list), seed, pair_kwargs))
-    finally:
-        data_ctx.execution_options.preserve_order = saved_order
+    parts_uri = storage.join(ctx.output_uri, PARTS_DIR)
+    seeds = {length: derive_seed(ctx.seed, "pairs", length) % 2**31 for length in cfg.max_seq_lengths}
+    pair_kwargs = dict(short_seq_prob=cfg.short_seq_prob, cls_id=specials["[CLS]"], sep_id=specials["[SEP]"],
+                       id_type=shards.id_type(len(tokens_list)))
+    rows = _first_pass(ctx, cfg, files, dict(
+        vocab_uri=vocab_uri, lowercase=lowercase, seeds=seeds, heldout_fraction=cfg.heldout_fraction,
+        dupe_factor=cfg.dupe_factor, buckets=num_buckets(cfg.num_shards), parts_uri=parts_uri,
+        pair_kwargs=pair_kwargs))
+    num_docs, corpus_tokens = sum(r["documents"] for r in rows), sum(r["tokens"] for r in rows)
+    log.info("pairs: %d documents, %d tokens paired in %d blocks (%.0f tokens/s)", num_docs, corpus_tokens,
+             len(rows), corpus_tokens / max(time.time() - started, 1e-9))
+    meta_common = dict(vocab_hash=v_hash, vocab_size=len(tokens_list), do_lower_case=lowercase, special_ids=specials)
+    metrics: dict[str, float] = {}
+    for length in cfg.max_seq_lengths:
+        schema = shards.shard_schema(len(tokens_list), length, shards.shard_meta(max_seq_length=length, **meta_common))
+        metrics.update(_second_pass(ctx, cfg, rows, length, seeds[length], schema, parts_uri))
+    storage.delete_dir(parts_uri)
 
     seconds = time.time() - started
     first = cfg.max_seq_lengths[0]
