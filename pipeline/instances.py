@@ -13,8 +13,9 @@ What differs:
 - the random document is drawn from the *other* documents of the pool. The original makes ten tries to avoid the
   current document and labels the pair NotNext even when all ten hit it (the quirk NVIDIA's LDDL fixes);
   with a one-document pool a one-sentence chunk is skipped and longer chunks are always IsNext (counted);
-- the pool is the partition the pipeline hands us (documents shuffled across partitions beforehand), not the whole
-  corpus, so memory stays bounded (LDDL draws from the partition too, but without the global shuffle);
+- the pool is the block of documents the pipeline hands us (`pairs.docs_per_partition` neighbours in the corpus),
+  not the whole corpus, so memory stays bounded whatever the corpus size (LDDL draws from its partition too);
+  the instances are mixed across the corpus afterwards, when the pairs stage deals them into shards;
 - nothing is materialised per instance: A and B are spans of one flat token array, the output is gathered with one
   vectorised numpy call, and token strings never exist. Masking is dynamic, at load time, not here.
 """

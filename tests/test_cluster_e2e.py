@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import USER_RUN_SETTINGS
 
 from ports import free_port_block
 
@@ -110,7 +111,9 @@ def test_dashboard_refuses_requests_without_the_token(cluster):
 
 def test_submitted_workflow_runs_every_stage_then_skips_then_reruns_one(cluster, enwiki_sample):
     workdir = cluster["state"] / "work"
-    common = ["--config", "tiny", "--workdir", str(workdir), "--set", f"clean.input={enwiki_sample}"]
+    # Shortened (the job's plumbing is under test, not learning): as tests/test_first_run.py's user run.
+    common = ["--config", "tiny", "--workdir", str(workdir), "--set", f"clean.input={enwiki_sample}",
+              *USER_RUN_SETTINGS]
 
     t0 = time.time()
     first = _bertpipe(cluster, "submit", "--wait", "--", "run", *common)

@@ -9,51 +9,39 @@ in an empty workdir; a stage that fails at run time names itself, its log and th
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import USER_RUN_SETTINGS, user_env
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
-# The tiny preset, made shorter: the point here is where things land, not how well they learn.
-SHORT = ["--set", "pretrain.max_steps=4", "--set", "pretrain.checkpoint_every_steps=2",
-         "--set", "pretrain.eval_every_steps=0", "--set", "finetune.tasks=[MRPC,STS-B]",
-         "--set", "finetune.learning_rates=[1e-4]", "--set", "finetune.num_epochs=1",
-         "--set", "mlflow.tracking_uri='off'"]
+# The shared user run's settings; the commands after it track nothing, so tests/test_watching.py finds the one
+# workflow run it inspects in MLflow (tracking settings are not part of any stage's fingerprint).
+SHORT = [*USER_RUN_SETTINGS, "--set", "mlflow.tracking_uri='off'"]
 
 
 def bertpipe(cwd: Path, *args: str, ray_tmp: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env["RAY_TMPDIR"] = str(ray_tmp)
-    return subprocess.run([str(BIN / "bertpipe"), *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([str(BIN / "bertpipe"), *args], cwd=cwd, env=user_env(ray_tmp), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def ray_tmp():
-    # Short: Ray's Unix socket paths under its temp dir must stay below 108 bytes.
-    path = Path(tempfile.mkdtemp(prefix="bprt-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def ray_tmp(user_run):
+    return user_run["ray_tmp"]
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory, ray_tmp, enwiki_sample):
-    """The whole workflow with --workdir given relative to a third directory."""
-    home = tmp_path_factory.mktemp("user")
-    (home / "elsewhere").mkdir()
-    proc = bertpipe(home / "elsewhere", "run", "--config", "tiny", "--workdir", "../rel/work",
-                    "--set", f"clean.input={enwiki_sample}", *SHORT, ray_tmp=ray_tmp)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {"home": home, "workdir": home / "rel" / "work", "proc": proc}
+def first_run(user_run):
+    """The whole workflow with --workdir given relative to a third directory (conftest's shared user run)."""
+    assert user_run["rc"] == 0, "\n".join(user_run["stdout"][-40:] + user_run["stderr"][-60:])
+    return user_run
 
 
 def _status(cwd: Path, workdir: Path, *extra: str, ray_tmp: Path) -> dict[str, dict]:

@@ -10,54 +10,21 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import USER_RUN_SETTINGS, user_env
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-STEPS = 6
-SMALL = ["--set", f"pretrain.max_steps={STEPS}", "--set", "pretrain.checkpoint_every_steps=3",
-         "--set", "pretrain.log_every_steps=2", "--set", "finetune.tasks=[MRPC]",
-         "--set", "finetune.learning_rates=[1e-4]", "--set", "finetune.num_epochs=2"]
-
-
-def _env(ray_tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env["RAY_TMPDIR"] = str(ray_tmp)
-    return env
-
-
-def _dashboard_answers(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url + "/api/version", timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as err:  # 401 with token auth on: it answers, and refuses the anonymous
-        return err.code
+STEPS = 6  # pretrain.max_steps of conftest.USER_RUN_SETTINGS
 
 
 @pytest.fixture(scope="module")
-def watched(tmp_path_factory, enwiki_sample):
-    home = tmp_path_factory.mktemp("watch")
-    ray_tmp = Path(tempfile.mkdtemp(prefix="bpw-", dir="/tmp"))
-    proc = subprocess.Popen([str(BIN / "bertpipe"), "run", "--workdir", "w", "--set", f"clean.input={enwiki_sample}",
-                             *SMALL], cwd=home, env=_env(ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    stdout, dashboard_status = [], None
-    for line in proc.stdout:
-        stdout.append(line.rstrip("\n"))
-        m = re.search(r"dashboard (http://127\.0\.0\.1:\d+)", line)
-        if m and dashboard_status is None:
-            dashboard_status = _dashboard_answers(m.group(1))
-    stderr = proc.stderr.read()
-    proc.wait(timeout=900)
-    yield {"home": home, "workdir": home / "w", "rc": proc.returncode, "stdout": stdout,
-           "stderr": stderr.splitlines(), "dashboard": dashboard_status, "ray_tmp": ray_tmp}
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+def watched(user_run):
+    """conftest's shared user run (the tiny preset with USER_RUN_SETTINGS, tracking on)."""
+    return user_run
 
 
 def test_console_is_short_and_says_what_runs(watched):
@@ -139,9 +106,9 @@ def test_failed_stage_is_marked_failed_with_error_and_traceback(watched):
     broken = watched["home"] / "broken-ckpt"
     shutil.copytree(watched["workdir"] / "pretrain" / "export", broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--workdir", "w", "--only", "finetune",
-                           "--set", f"finetune.init={broken}", *SMALL], cwd=watched["home"],
-                          env=_env(watched["ray_tmp"]), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--workdir", str(watched["workdir"]), "--only", "finetune",
+                           "--set", f"finetune.init={broken}", *USER_RUN_SETTINGS], cwd=watched["home"],
+                          env=user_env(watched["ray_tmp"]), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-3].startswith("bertpipe: stage finetune failed:")
     client = _client(watched["workdir"])
