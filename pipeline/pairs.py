@@ -5,9 +5,9 @@ Pure core (testable without Ray): `encode_documents` (split + batched Rust token
 bucket whatever the corpus size:
 1. one Ray Data job, `pair_block` per pool of `docs_per_partition` documents: tokenize once; hold out documents by
    id hash; for every max_seq_length pair the pool (NotNext B from another document of the same pool, as LDDL
-   draws from its partition), shuffle, deal the instances round-robin into G buckets and write them as one part
-   file of G row groups (held-out instances as a part of their own). Only a row of counters per block comes back.
-2. per length, one task per bucket reads that row group of every part, shuffles it and writes num_shards / G
+   draws from its partition), shuffle, deal the instances into G buckets and write them as one part file (Arrow
+   IPC) of G record batches (held-out instances as a part of their own). Only a row of counters per block comes back.
+2. per length, one task per bucket reads that record batch of every part, shuffles it and writes num_shards / G
    shards of exactly the same row count (the smallest bucket sets it; the few extra rows are dropped and
    counted); one task concatenates the held-out parts. Then the part files are deleted.
 Equal-row shards need every block's count first, so the instances are written twice: the only second pass.
@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from bertpipe.pipeline import shards, storage
 from bertpipe.pipeline.config import PairsConfig, VocabConfig
@@ -186,8 +185,8 @@ def pair_table(flat: np.ndarray, bounds: list[list[int]], *, max_seq_length: int
 # ------------------------------------------------------------------------------- pass 1: one task per block
 
 # Buckets of the streaming shuffle: every pairing block spreads its (already shuffled) instances over G buckets,
-# one Parquet row group each, and bucket g becomes num_shards / G shards. More buckets would mean more, smaller
-# row groups for the reducers to find in every part file.
+# one record batch each, and bucket g becomes num_shards / G shards. More buckets would mean more, smaller
+# reads for the reducers in every part file.
 MAX_BUCKETS = 128
 PARTS_DIR = "_parts"
 _COUNTERS = ("doc_passes", "short_targets", "no_other_document", "random_next", "instance_tokens")
@@ -198,13 +197,17 @@ def num_buckets(num_shards: int) -> int:
     return max(g for g in range(1, min(num_shards, MAX_BUCKETS) + 1) if num_shards % g == 0)
 
 
-def _write_part(uri: str, table: pa.Table, groups: list[pa.Table] | None = None) -> None:
-    """An intermediate file (uncompressed: written once, read once, deleted); `groups` = one row group each."""
+def _write_part(uri: str, groups: list[pa.Table]) -> None:
+    """An intermediate file: Arrow IPC, one record batch per group (random access by index, ~10x faster to write
+    than Parquet; written once, read once, deleted)."""
     fs, path = storage.resolve(uri)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(path + ".tmp") as f, pq.ParquetWriter(f, table.schema, compression="none") as w:
-        for group in (groups if groups is not None else [table]):
-            w.write_table(group, row_group_size=max(group.num_rows, 1))
+    schema = groups[0].schema
+    with fs.open_output_stream(path + ".tmp") as f, pa.ipc.new_file(f, schema) as w:
+        for group in groups:
+            batches = group.combine_chunks().to_batches()  # one column chunk each: at most one batch
+            assert len(batches) <= 1, f"group of {group.num_rows} rows gave {len(batches)} batches"
+            w.write_batch(batches[0] if batches else pa.RecordBatch.from_pylist([], schema=schema))
     fs.move(path + ".tmp", path)
 
 
@@ -214,16 +217,19 @@ def _pair_length(flat, bounds, held, *, length, seed, key, dupe_factor, buckets,
     held_bounds = [b for b, h in zip(bounds, held) if h]
     table, stats = pair_table(flat, train_bounds, max_seq_length=length, dupe_factor=dupe_factor,
                               seed_parts=(seed, "pairs", length, key), **pair_kwargs)
-    # The rows are in random order already: dealing them round-robin from a random bucket gives every bucket a
-    # random share, and bucket sizes that differ by at most one row per block (so few rows are dropped to
-    # equalise the shards).
+    # The rows are in random order already, so consecutive slices are random shares (zero-copy). The one extra
+    # row of n % G buckets goes to buckets chosen from a random start, so bucket totals differ by at most one
+    # row per block and few rows are dropped to equalise the shards.
     first = derive_seed(seed, "bucket", length, key) % buckets
-    rows = [table.take(np.arange((g - first) % buckets, table.num_rows, buckets)) for g in range(buckets)]
-    _write_part(storage.join(parts_uri, shards.seq_dir(length), f"train-{key}.parquet"), table, rows)
+    sizes = [table.num_rows // buckets + ((g - first) % buckets < table.num_rows % buckets) for g in range(buckets)]
+    starts = np.cumsum([0, *sizes[:-1]])
+    table = table.combine_chunks()
+    rows = [table.slice(int(a), n) for a, n in zip(starts, sizes)]
+    _write_part(storage.join(parts_uri, shards.seq_dir(length), f"train-{key}.arrow"), rows)
     held_table, _ = pair_table(flat, held_bounds, max_seq_length=length, dupe_factor=1,
                                seed_parts=(seed + 1, "pairs", length, key), **pair_kwargs)
     if held_table.num_rows:
-        _write_part(storage.join(parts_uri, shards.seq_dir(length), f"heldout-{key}.parquet"), held_table)
+        _write_part(storage.join(parts_uri, shards.seq_dir(length), f"heldout-{key}.arrow"), [held_table])
     random_next = int(np.asarray(table.column("next_sentence_label")).sum()) if table.num_rows else 0
     instance_tokens = int(np.asarray(table.column("num_tokens"), np.int64).sum()) if table.num_rows else 0
     return {f"rows_{length}": [r.num_rows for r in rows], f"held_{length}": held_table.num_rows,
@@ -256,10 +262,12 @@ def pair_block(batch: pa.Table, *, vocab_uri: str, lowercase: bool, seeds: dict[
 # --------------------------------------------------------------- pass 2: equal-row shards from the part files
 
 
-def _read_group(uri: str, group: int) -> pa.Table:
+def _read_group(uri: str, group: int | None) -> pa.Table:
+    """Record batch `group` of a part file (None: all of it)."""
     fs, path = storage.resolve(uri)
     with fs.open_input_file(path) as f:
-        return pq.ParquetFile(f).read_row_group(group)
+        reader = pa.ipc.open_file(f)
+        return reader.read_all() if group is None else pa.Table.from_batches([reader.get_batch(group)])
 
 
 def reduce_bucket(parts: list[str], group: int, shard_uris: list[str], rows_per_shard: int, schema_bytes: bytes,
@@ -279,7 +287,7 @@ def reduce_bucket(parts: list[str], group: int, shard_uris: list[str], rows_per_
 def concat_parts(parts: list[str], uri: str, schema_bytes: bytes) -> int:
     """Ray task: the held-out part files, in order, as one shard."""
     schema = pa.ipc.read_schema(pa.py_buffer(schema_bytes))
-    tables = [pq.read_table(storage.resolve(u)[1], filesystem=storage.resolve(u)[0]) for u in parts]
+    tables = [_read_group(u, None) for u in parts]
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     shards.write_shard(uri, table.cast(schema).replace_schema_metadata(schema.metadata))
     return table.num_rows
@@ -332,11 +340,11 @@ def _second_pass(ctx, cfg, rows, length, seed, schema, parts_uri) -> dict:
     schema_bytes = schema.serialize().to_pybytes()
     part_dir = storage.join(parts_uri, shards.seq_dir(length))
     out_dir = storage.join(ctx.output_uri, shards.seq_dir(length))
-    train_parts = [storage.join(part_dir, f"train-{r['key']}.parquet") for r in rows]
+    train_parts = [storage.join(part_dir, f"train-{r['key']}.arrow") for r in rows]
     pending = [ray.remote(reduce_bucket).remote(
         train_parts, g, [storage.join(out_dir, shards.train_shard_name(g * per_bucket + k)) for k in range(per_bucket)],
         rows_per_shard, schema_bytes, derive_seed(seed, "reduce", length, g) % 2**32) for g in range(buckets)]
-    held_parts = [storage.join(part_dir, f"heldout-{r['key']}.parquet") for r in rows if r[f"held_{length}"]]
+    held_parts = [storage.join(part_dir, f"heldout-{r['key']}.arrow") for r in rows if r[f"held_{length}"]]
     pending.append(ray.remote(concat_parts).remote(held_parts, storage.join(out_dir, shards.HELDOUT_NAME),
                                                    schema_bytes))
     written = ray.get(pending)
