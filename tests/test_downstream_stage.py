@@ -76,7 +76,7 @@ def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
     from bertpipe.jobs.squad.stage import run_stage
 
     path = squad_file(tmp_path / "squad.json")
-    cfg = SquadConfig(train_file=path, eval_file=path, train_articles="0:2", eval_articles="2:", max_seq_length=64,
+    cfg = SquadConfig(train_file=path, eval_file=path, train_articles=(0, 2), eval_articles=(2, 3), max_seq_length=64,
                       max_query_length=16, doc_stride=16, learning_rates=(1e-3, 5e-4), batch_size=2, num_epochs=1)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
@@ -98,3 +98,22 @@ def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
     assert sorted(r.info.run_name for r in trials) == ["squad-lr0.0005-seed1", "squad-lr0.001-seed1"]
     assert all(r.info.status == "FINISHED" and "f1" in r.data.metrics for r in trials)
     assert "best.f1" in client.get_run(parent).data.metrics
+
+
+@pytest.mark.slow
+def test_ner_stage_on_ray_writes_conll_predictions(ray_local, tiny_bert, tmp_path):
+    from bertpipe.jobs.ner.config import NerConfig
+    from bertpipe.jobs.ner.stage import run_stage
+
+    conll = tmp_path / "ner.txt"
+    conll.write_text("-DOCSTART- -X- -X- O\n\nEU NNP B-NP I-ORG\nrejects VBZ B-VP O\nGerman JJ B-NP I-MISC\n\n"
+                     "Peter NNP B-NP I-PER\nBlackburn NNP I-NP I-PER\n")  # IOB1
+    cfg = NerConfig(train_file=str(conll), eval_file=str(conll), learning_rates=(1e-3,), batch_size=2, num_epochs=1)
+    ctx = StageContext(name="ner", output_uri=str(tmp_path / "out"), config={"ner": cfg}, seed=5,
+                       inputs={"pretrain": StageInput("pretrain", str(tiny_bert), None, explicit=True)})
+    result = run_stage(ctx)
+    assert result.extra["schemes"] == ["iob1", "iob1"] and result.num_rows == 2
+    lines = (tmp_path / "out" / "predictions.txt").read_text().split("\n")
+    assert [line.split()[:2] for line in lines if line] == [["EU", "I-ORG"], ["rejects", "O"], ["German", "I-MISC"],
+                                                             ["Peter", "I-PER"], ["Blackburn", "I-PER"]]
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["gold"] == 3

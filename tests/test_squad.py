@@ -160,3 +160,24 @@ def test_v2_file_built_from_real_paragraphs(tmp_path):
     wrong_null = dict(right, noans1="Denver Broncos")
     out = evaluate(gold, wrong_null, version_2=True)
     assert (out["HasAns_f1"], out["NoAns_f1"], out["f1"]) == (1.0, 0.0, 0.75)
+
+
+def test_article_ranges_are_checked_when_the_config_loads():
+    from bertpipe.jobs.squad.config import SquadConfig
+
+    with pytest.raises(ValueError, match=r"squad.eval_articles: \[5, 2\] is not an article range"):
+        SquadConfig(eval_articles=(5, 2))
+    with pytest.raises(ValueError, match="squad.max_query_length 64 leaves no room"):
+        SquadConfig(max_seq_length=64)
+
+
+def test_v2_trial_scoring_answers_null_above_the_tuned_threshold():
+    from bertpipe.jobs.squad.trial import SquadData, score_predictions
+
+    ctx = "Paris is the capital of France."
+    data = SquadData([], [Example("a", "Capital?", ctx, (Answer("Paris", 0),)),
+                          Example("b", "Mayor?", ctx, (), is_impossible=True)], version_2=True)
+    # b's null margin (3) is above a's (-1): the best threshold answers a with its span and b with "".
+    metrics, predictions = score_predictions(data, {"a": "Paris", "b": "France"}, {"a": -1.0, "b": 3.0})
+    assert predictions == {"a": "Paris", "b": ""}
+    assert (metrics["f1"], metrics["HasAns_f1"], metrics["NoAns_f1"], metrics["null_threshold"]) == (1, 1, 1, -1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bertpipe.jobs.downstream.recipe import Recipe
-from bertpipe.jobs.squad.data import parse_slice
+from bertpipe.jobs.squad.data import article_range
 from bertpipe.pipeline.config import path_field
 
 
@@ -15,9 +15,10 @@ class SquadConfig(Recipe):
     # Any SQuAD-format JSON (v1.1 or v2.0), local or a URI. A user with the full train set points at it.
     train_file: str = path_field()
     eval_file: str = path_field()
-    # Article ranges "start:end" of each file ("" = all): how one file is split by article (0:38 / 38:48).
-    train_articles: str = ""
-    eval_articles: str = ""
+    # Article ranges [start, end) of each file (empty = all): how one file is split by article ([0, 38] and
+    # [38, 48] for the dev set). A list, not "0:38": YAML 1.1 reads 0:38 as a base-60 integer.
+    train_articles: tuple[int, ...] = ()
+    eval_articles: tuple[int, ...] = ()
     # "auto": v2.0 when the eval file says so or holds unanswerable questions.
     version: str = "auto"
     max_seq_length: int = 384
@@ -36,5 +37,5 @@ class SquadConfig(Recipe):
         if self.max_query_length + 3 >= self.max_seq_length:
             raise ValueError(f"squad.max_query_length {self.max_query_length} leaves no room for the context in "
                              f"max_seq_length {self.max_seq_length}")
-        parse_slice(self.train_articles, "squad.train_articles")
-        parse_slice(self.eval_articles, "squad.eval_articles")
+        article_range(self.train_articles, "squad.train_articles")
+        article_range(self.eval_articles, "squad.eval_articles")

@@ -1,9 +1,9 @@
 """Reading a SQuAD-format JSON file (v1.1 or v2.0) into flat examples, with the answer offsets checked.
 
 Any file in the official layout works ({"data": [{"title", "paragraphs": [{"context", "qas": [{"id",
-"question", "answers": [{"text", "answer_start"}], "is_impossible"?}]}]}]}); `articles` picks a slice of the
-articles ("0:38"), which is how a single file is split into train and evaluation sets by article (questions
-of one paragraph share their context, so a split by question would leak).
+"question", "answers": [{"text", "answer_start"}], "is_impossible"?}]}]}]}); `articles` = (start, end) picks
+articles start..end-1 ([0, 38]; empty = all), which is how a single file is split into train and evaluation sets
+by article (questions of one paragraph share their context, so a split by question would leak).
 """
 from __future__ import annotations
 
@@ -42,17 +42,13 @@ class SquadSet:
     version_2: bool = False  # the file holds unanswerable questions (or says version 2.0)
 
 
-def parse_slice(text: str, where: str) -> slice:
-    """"a:b", "a:", ":b" or "" (everything) as a slice; ValueError naming `where` otherwise."""
-    if not text:
+def article_range(articles: tuple[int, ...], where: str) -> slice:
+    """(start, end) -> slice(start, end); () -> everything; ValueError naming `where` otherwise."""
+    if not articles:
         return slice(None)
-    parts = text.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        return slice(*(int(p) if p.strip() else None for p in parts))
-    except ValueError:
-        raise ValueError(f"{where}: {text!r} is not an article range like 0:38") from None
+    if len(articles) != 2 or not 0 <= articles[0] < articles[1]:
+        raise ValueError(f"{where}: {list(articles)} is not an article range [start, end) like [0, 38]")
+    return slice(*articles)
 
 
 def _answers(uri: str, qa: dict, context: str) -> tuple[Answer, ...]:
@@ -79,7 +75,7 @@ def _question(uri: str, qa: dict, context: str, title: str) -> Example:
     return Example(str(qa["id"]), qa["question"], context, () if impossible else answers, impossible, title)
 
 
-def read_squad(uri: str, articles: str = "") -> SquadSet:
+def read_squad(uri: str, articles: tuple[int, ...] = ()) -> SquadSet:
     """The examples of the selected articles of a SQuAD file; StageInputError naming the file (and the question
     id) for a missing file, a file that is not SQuAD JSON, or an answer whose offset does not match its context."""
     if not storage.is_file(uri):
@@ -90,7 +86,7 @@ def read_squad(uri: str, articles: str = "") -> SquadSet:
         raise StageInputError(f"{uri}: not a JSON file ({e})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("data"), list):
         raise StageInputError(f"{uri}: not in SQuAD format (no top-level \"data\" list)")
-    chosen = doc["data"][parse_slice(articles, uri)]
+    chosen = doc["data"][article_range(articles, uri)]
     out = SquadSet(uri, num_articles=len(chosen), version_2=str(doc.get("version", "")).startswith("2"))
     for article in chosen:
         for para in article.get("paragraphs", []):
