@@ -66,6 +66,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("ner", ("ner",), ("pretrain",), "bertpipe.jobs.ner.stage:run_stage",
           "bertpipe.jobs.ner.stage:describe_raw_inputs", explicit=(("pretrain", "ner.init"),),
           check="bertpipe.jobs.ner.stage:preflight", training=True, opt_in=True),
+    Stage("features", ("features",), ("pretrain",), "bertpipe.jobs.features.stage:run_stage",
+          "bertpipe.jobs.features.stage:describe_raw_inputs", explicit=(("pretrain", "features.init"),),
+          check="bertpipe.jobs.features.stage:preflight", opt_in=True),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
