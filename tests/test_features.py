@@ -48,3 +48,20 @@ def test_long_sentence_is_cut_into_rows_and_joined(minilm):
     # Word 0 and word 14 both open a row ([CLS] river ...): the same vector; word 1 differs from word 0.
     np.testing.assert_allclose(got[0], got[14], atol=1e-5)
     assert not np.allclose(got[0], got[1], atol=1e-3)
+
+
+def test_bilstm_learns_separable_word_features():
+    from bertpipe.jobs.features.bilstm import train_bilstm
+    from bertpipe.jobs.ner.config import NerConfig
+
+    labels = NerConfig().labels
+    rng = np.random.default_rng(0)
+    kinds = ["O", "B-PER", "I-PER", "B-LOC"]
+    tags = [[kinds[i] for i in rng.integers(0, 4, 6)] for _ in range(64)]
+    tags = [[("B" + t[1:]) if t.startswith("I") and (k == 0 or s[k - 1] == "O" or s[k - 1][2:] != t[2:]) else t
+             for k, t in enumerate(s)] for s in tags]  # valid IOB2: an I- follows its own type
+    # Each word's feature is its tag's one-hot: the tagger only has to learn the identity map (untrained, its
+    # random labels would hardly ever form a whole right entity).
+    x = [np.eye(len(labels), dtype=np.float32)[[labels.index(t) for t in s]] for s in tags]
+    result = train_bilstm(x[:48], tags[:48], x[48:], tags[48:], labels, hidden=16, epochs=20, lr=1e-2)
+    assert result.metrics["f1"] >= 0.8 and result.metrics["gold"] > 0
