@@ -54,7 +54,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     trials = fanout.plan_grid("ner", cfg, ctx.seed, parent)
     results = fanout.run_grid("ner", run_ner_trial, ray.put(model_files(init)), ray.put(data), trials, cfg)
     trial, best = fanout.best_of(trials, results)
-    table = f"# CoNLL NER: {len(data.train)} train / {len(data.eval)} eval sentences; best {trial.key}\n\n" + \
+    used = min(len(data.train), cfg.max_train_examples or len(data.train))
+    table = f"# CoNLL NER: {used} of {len(data.train)} train / {len(data.eval)} eval sentences; best {trial.key}\n\n" + \
         fanout.grid_table(trials, results, ("precision", "recall", "f1"))
     shown = {k: (v if k in ("correct", "guessed", "gold") else 100 * v) for k, v in best.metrics.items()}
     files = {"predictions.txt": format_predictions(data.eval, best.predicted),

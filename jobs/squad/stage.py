@@ -78,8 +78,9 @@ def run_stage(ctx: StageContext) -> StageResult:
     results = fanout.run_grid("squad", run_squad_trial, ray.put(model_files(init)), ray.put(data), trials, cfg)
     trial, best = fanout.best_of(trials, results)
     shown = SHOWN + (("HasAns_f1", "NoAns_f1") if data.version_2 else ())
-    table = f"# SQuAD v{'2.0' if data.version_2 else '1.1'}: {len(data.train)} train / {len(data.eval)} eval " \
-            f"questions; best {trial.key}\n\n" + fanout.grid_table(trials, results, shown)
+    used = min(len(data.train), cfg.max_train_examples or len(data.train))
+    table = f"# SQuAD v{'2.0' if data.version_2 else '1.1'}: {used} of {len(data.train)} train / {len(data.eval)} " \
+            f"eval questions; best {trial.key}\n\n" + fanout.grid_table(trials, results, shown)
     outputs = write_outputs(ctx.output_uri, best, table, data.version_2)
     metrics = {f"best.{k}": v for k, v in best.metrics.items()}
     metrics.update({"best_lr": trial.learning_rate, "num_trials": float(len(trials)),
