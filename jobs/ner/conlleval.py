@@ -6,6 +6,8 @@ another type than the previous tag's. So an I- start (IOB1) opens an entity, B- 
 splits two adjacent entities, and a sentence boundary ends whatever is open. An entity is correct when the
 guessed and the gold chunk start at the same token, end at the same token and have the same type;
 precision = correct / guessed, recall = correct / gold, F1 = 2PR / (P + R) (0 when nothing is found).
+conlleval also counts -DOCSTART- lines as O tokens: that changes its token accuracy, never an entity figure
+(our reader drops those lines, so our `accuracy` is over real words only).
 """
 from __future__ import annotations
 
