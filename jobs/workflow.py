@@ -277,7 +277,8 @@ def status(cfg: RootConfig) -> list[dict[str, Any]]:
     return rows
 
 
-HEADLINE = {"pretrain": ("loss", "mlm_accuracy", "nsp_accuracy", "eval_mlm_accuracy", "eval_nsp_accuracy"),
+HEADLINE = {"pretrain": ("loss", "mlm_accuracy", "nsp_accuracy", "eval_mlm_accuracy", "eval_nsp_accuracy",
+                         "baseline_mlm_accuracy", "baseline_nsp_accuracy"),
             "finetune": ("glue_score", "bert_paper_average")}
 
 
