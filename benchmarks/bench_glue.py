@@ -140,14 +140,17 @@ def mean_sd(scores: list[float]) -> str:
 
 
 def compare(ours: list[float], theirs: list[float]) -> tuple[float, float]:
-    """(Welch t-test p for equal means, our sample sd / theirs); NaN where one seed per side cannot tell."""
+    """(Welch t-test p for equal means, our sample sd / theirs); NaN where one seed per side, or no spread on
+    either side, leaves them undefined."""
     from scipy.stats import ttest_ind
 
     if min(len(ours), len(theirs)) < 2:
         return float("nan"), float("nan")
-    sd_theirs = np.std(theirs, ddof=1)
+    sd_ours, sd_theirs = np.std(ours, ddof=1), np.std(theirs, ddof=1)
+    if sd_ours == sd_theirs == 0:  # every seed the same score on both sides (all majority class): no test
+        return float("nan"), float("nan")
     return (float(ttest_ind(ours, theirs, equal_var=False).pvalue),
-            float(np.std(ours, ddof=1) / sd_theirs) if sd_theirs > 0 else float("inf"))
+            float(sd_ours / sd_theirs) if sd_theirs > 0 else float("inf"))
 
 
 def run_task(model: Path, data: TaskData, p: TrialParams, seeds: list[int]) -> dict[str, tuple[list, list, list]]:
