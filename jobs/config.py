@@ -11,6 +11,9 @@ from typing import Any
 
 from bertpipe.jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths, to_dict
 from bertpipe.jobs.finetune.config import FinetuneConfig
+from bertpipe.jobs.features.config import FeaturesConfig
+from bertpipe.jobs.ner.config import NerConfig
+from bertpipe.jobs.squad.config import SquadConfig
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, validate
 from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, path_field
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -50,6 +53,9 @@ class RootConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    squad: SquadConfig = field(default_factory=SquadConfig)
+    ner: NerConfig = field(default_factory=NerConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"

@@ -44,6 +44,9 @@ class Stage:
     explicit: tuple[tuple[str, str], ...] = ()
     check: str = ""                # "module:function(StageContext)": stage-specific preflight, raises on bad input
     training: bool = False         # MLflow system metrics (CPU, memory, GPU) are logged while it runs
+    # Runs only when named (`--only squad`, `--from squad`): a job the default workflow leaves out because it
+    # needs data the user must point at (SQuAD and CoNLL files).
+    opt_in: bool = False
 
 
 STAGES: tuple[Stage, ...] = (
@@ -57,6 +60,15 @@ STAGES: tuple[Stage, ...] = (
           training=True),
     Stage("finetune", ("finetune",), ("pretrain",), "bertpipe.jobs.finetune.stage:run_stage", "bertpipe.jobs.finetune.stage:describe_raw_inputs",
           explicit=(("pretrain", "finetune.init"),), check="bertpipe.jobs.finetune.stage:preflight", training=True),
+    Stage("squad", ("squad",), ("pretrain",), "bertpipe.jobs.squad.stage:run_stage",
+          "bertpipe.jobs.squad.stage:describe_raw_inputs", explicit=(("pretrain", "squad.init"),),
+          check="bertpipe.jobs.squad.stage:preflight", training=True, opt_in=True),
+    Stage("ner", ("ner",), ("pretrain",), "bertpipe.jobs.ner.stage:run_stage",
+          "bertpipe.jobs.ner.stage:describe_raw_inputs", explicit=(("pretrain", "ner.init"),),
+          check="bertpipe.jobs.ner.stage:preflight", training=True, opt_in=True),
+    Stage("features", ("features",), ("pretrain",), "bertpipe.jobs.features.stage:run_stage",
+          "bertpipe.jobs.features.stage:describe_raw_inputs", explicit=(("pretrain", "features.init"),),
+          check="bertpipe.jobs.features.stage:preflight", opt_in=True),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 
@@ -154,8 +166,8 @@ def select(only: list[str] | None, start: str | None) -> list[str]:
     if only:
         return [n for n in STAGE_NAMES if n in only]
     if start:
-        return list(STAGE_NAMES[STAGE_NAMES.index(start):])
-    return list(STAGE_NAMES)
+        return [s.name for s in STAGES[STAGE_NAMES.index(start):] if s.name == start or not s.opt_in]
+    return [s.name for s in STAGES if not s.opt_in]
 
 
 def committed(cfg: RootConfig) -> dict[str, tuple[dict | None, list[str]]]:
@@ -265,7 +277,8 @@ def status(cfg: RootConfig) -> list[dict[str, Any]]:
     return rows
 
 
-HEADLINE = {"pretrain": ("loss", "mlm_accuracy", "nsp_accuracy", "eval_mlm_accuracy", "eval_nsp_accuracy"),
+HEADLINE = {"pretrain": ("loss", "mlm_accuracy", "nsp_accuracy", "eval_mlm_accuracy", "eval_nsp_accuracy",
+                         "baseline_mlm_accuracy", "baseline_nsp_accuracy"),
             "finetune": ("glue_score", "bert_paper_average")}
 
 

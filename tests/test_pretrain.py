@@ -4,6 +4,7 @@ artifacts, and bad input is refused before training."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -87,6 +88,16 @@ def test_zero1_learns_and_tracks_mlflow(straight, data):
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"deepspeed_config.json", "export"} <= artifacts
     assert {a.path for a in client.list_artifacts(run_id, "export")} >= {"export/model.safetensors"}
+    # learning evidence: baselines, curves and their data beside the export, in the manifest and in MLflow
+    learning = {"baselines.json", "history.json", "curve_loss.png", "curve_accuracy.png"}
+    assert learning <= {p.name for p in Path(ctx.output_uri).iterdir()} and learning <= set(result.outputs)
+    assert {a.path for a in client.list_artifacts(run_id, "learning")} == {f"learning/{n}" for n in learning}
+    assert m["baseline_mlm_accuracy"] == pytest.approx(baseline_accuracy(data[1]), abs=0.03)
+    assert m["eval_mlm_over_baseline"] == pytest.approx(m["eval_mlm_accuracy"] / m["baseline_mlm_accuracy"])
+    assert 0.4 < m["baseline_nsp_accuracy"] < 0.6
+    history = json.loads((Path(ctx.output_uri) / "history.json").read_text())
+    assert [h["step"] for h in history if "loss" in h] == [10, 20, 30, 40, 50, 60]
+    assert history[-1]["step"] == STEPS and history[-1]["eval_mlm_accuracy"] == m["eval_mlm_accuracy"]
 
 
 def test_two_phases_zero2_learns_and_ends_at_phase2_length(ray_local, data, tmp_path):
@@ -138,6 +149,9 @@ def test_rerun_stage_resumes(straight, data, tmp_path, faults):
     reference = export_params(straight[0])
     got = export_params(ctx)
     assert all(torch.equal(reference[k], got[k]) for k in reference)
+    # the curves' data survive the resume (saved in the checkpoints) and the baselines are the same figures
+    for name in ("history.json", "baselines.json"):
+        assert (Path(ctx.output_uri) / name).read_text() == (Path(straight[0].output_uri) / name).read_text()
 
 
 # ------------------------------------------------------------------ bad input, refused before training

@@ -33,6 +33,9 @@ class FinetuneConfig:
     adam_epsilon: float = 1e-6
     max_grad_norm: float = 1.0
     max_seq_length: int = 128
+    # Evaluate dev after every epoch (curves in MLflow); False: only after the last, whose score is the trial's
+    # either way.
+    eval_each_epoch: bool = True
     # Subsample each train set to at most this many examples (seeded); 0 = all. For smoke runs on big tasks.
     max_train_examples: int = 0
     # Ray resources per trial; torch uses cpus_per_trial threads inside a trial.

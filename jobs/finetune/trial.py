@@ -3,7 +3,9 @@ evaluate dev after every epoch → predict test. Pure torch: no Ray, no MLflow (
 
 The recipe is google-research/bert run_classifier's: [CLS] A [SEP] B [SEP] truncated longest-first, the pooled
 [CLS] vector into a fresh linear head, AdamW with weight decay 0.01 except on biases and LayerNorm, gradients
-clipped at norm 1.0, learning rate warmed up linearly over the first 10% of steps then decayed linearly to 0.
+clipped at norm 1.0, learning rate warmed up linearly over the first 10% of steps (factor step/warmup, 0 at
+the first step, as run_classifier and transformers' Trainer) then decayed linearly to 0. The reported score is
+the last epoch's (no best-epoch pick, as the Trainer's final evaluation).
 Batches are padded to the longest row rounded up to a multiple of 8 (not to max_seq_length): short GLUE
 sentences would otherwise be mostly padding.
 """
@@ -154,7 +156,7 @@ def prepare(model_dir: str | Path, data: TaskData, p: TrialParams) -> Prepared:
     # 30k-row embedding that every step updates (transformers' Trainer uses it too).
     opt = torch.optim.AdamW(param_groups(model, r.weight_decay), lr=p.learning_rate, eps=r.adam_epsilon,
                             fused=p.device in ("cpu", "cuda"))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_decay(step, total, warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_decay(step, total, warmup, from_zero=True))
     return Prepared(model, tok, encode(tok, train), {n: encode(tok, ex) for n, ex in data.dev.items()}, opt, sched,
                     rng, len(train), total)
 
@@ -193,11 +195,12 @@ def run_trial(model_dir: str | Path, data: TaskData, p: TrialParams,
     dev_metrics: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
     for epoch in range(p.recipe.num_epochs):
-        train_loss = train_epoch(t, p)
-        dev_metrics = evaluate_dev(t, spec, p)
-        row = {"train_loss": train_loss, "score": task_score(dev_metrics)}
-        for name, ms in dev_metrics.items():
-            row.update({f"{name}.{m}": v for m, v in ms.items()})
+        row = {"train_loss": train_epoch(t, p)}
+        if p.recipe.eval_each_epoch or epoch == p.recipe.num_epochs - 1:
+            dev_metrics = evaluate_dev(t, spec, p)
+            row["score"] = task_score(dev_metrics)
+            for name, ms in dev_metrics.items():
+                row.update({f"{name}.{m}": v for m, v in ms.items()})
         history.append(row)
         if on_epoch is not None:
             on_epoch(epoch + 1, row)

@@ -32,6 +32,8 @@ from bertpipe.model.training import param_groups
 from bertpipe.pipeline.progress import Reporter
 
 log = logging.getLogger("bertpipe.pretrain")
+# The training figures of a logging window that go into the curves.
+CURVE_KEYS = ("loss", "mlm_loss", "mlm_accuracy", "nsp_accuracy")
 EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase
 
 
@@ -70,6 +72,9 @@ class Worker:
     world: int
     device: Any
     run: RunLogger
+    # Logged windows and held-out evaluations, {"step": .., figure: ..}: the curves the driver draws. Saved in every
+    # checkpoint, so a resumed run's curves start at step 1 too.
+    history: list[dict[str, float]] = field(default_factory=list)
 
 
 def seed_of(*parts: int) -> int:
@@ -124,7 +129,9 @@ def restore(w: Worker) -> Position:
         checkpoint = ray.train.Checkpoint(found[0]) if found[0] else None
     if checkpoint is None:
         return Position()
-    position = Position(**checkpoints.load(w.engine, checkpoint))
+    state = checkpoints.load(w.engine, checkpoint)
+    w.history = state.pop("history", [])
+    position = Position(**state)
     log.info("rank %d resumed at %s", w.rank, position)
     assert w.engine.global_steps == position.step, (w.engine.global_steps, position.step)
     return position
@@ -188,6 +195,7 @@ def log_window(w: Worker, meter: Meter, step: int, seq_length: int) -> dict[str,
     metrics = {**meter.summary(w.device), "lr": w.scheduler.get_last_lr()[0],
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "seq_length": seq_length}
     w.run.log_metrics(metrics, step)
+    w.history.append({"step": step, **{k: metrics[k] for k in CURVE_KEYS}})
     if w.rank == 0:
         log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%", step,
                  seq_length, metrics["loss"], metrics["mlm_accuracy"], metrics["nsp_accuracy"], metrics["lr"],
@@ -216,9 +224,12 @@ def after_step(w: Worker, meter: Meter, position: Position, phase_end: int, last
         last = log_window(w, meter, step, phase.max_seq_length)
         meter.reset()
     if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.max_steps:
-        w.run.log_metrics(evaluate(w, phase), step)
+        held_out = evaluate(w, phase)
+        w.run.log_metrics(held_out, step)
+        w.history.append({"step": step, **held_out})
     if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
-        checkpoints.save_and_report(w.engine, dataclasses.asdict(position), {"step": step, **last})
+        checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": w.history},
+                                    {"step": step, **last})
         meter.started = time.perf_counter()  # keep checkpoint time out of throughput
     return last
 
@@ -291,6 +302,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
              **evaluate(w, final_phase, training_masks=False)}
     if spec.pretrain.optimizer == "lamb":  # flat tensors with a per-parameter layout: a test proves LAMB is per layer
         final["lamb_layouts"] = mapped_layouts(w.engine)
-    w.run.log_metrics({k: v for k, v in final.items() if k.startswith("eval_")}, position.step)
+    held_out = {k: v for k, v in final.items() if k.startswith("eval_")}
+    w.run.log_metrics(held_out, position.step)
+    final["history"] = [*w.history, {"step": position.step, **held_out}]
     checkpoints.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run)
-    checkpoints.save_and_report(w.engine, dataclasses.asdict(position), final)
+    checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": final["history"][:-1]}, final)

@@ -172,6 +172,29 @@ def register(run: RunLogger, export_uri: str, registered_name: str) -> str:
     return run.log_torch_model(model, registered_name)
 
 
+def write_learning(ctx: StageContext, cfg: PretrainConfig, tokens: list[str], history: list[dict],
+                   run: RunLogger) -> tuple[dict[str, float], list[str]]:
+    """The baselines of the final held-out evaluation, and the loss/accuracy curves, written beside the export
+    and logged to MLflow; returns the baselines and the files written (relative to the stage folder)."""
+    from bertpipe.jobs.pretrain.learning import baselines, curve_pngs
+    from bertpipe.jobs.pretrain.masking import MaskingSpec
+    from bertpipe.pipeline.shards import list_shards
+
+    steps = cfg.phase_steps()
+    final_phase = cfg.phases[-1] if steps[-1] else cfg.phases[0]  # the phase the final evaluation reads
+    train, heldout = list_shards(ctx.input("pairs").uri, final_phase.max_seq_length)
+    spec = MaskingSpec.from_vocab(tokens, max_seq_length=final_phase.max_seq_length,
+                                  max_predictions=final_phase.max_predictions_per_seq)
+    base = baselines(train, heldout, spec)
+    base["baseline_mlm_token"] = tokens[int(base["baseline_mlm_token_id"])]
+    files = {"baselines.json": json.dumps(base, indent=2).encode(),
+             "history.json": json.dumps(history, indent=1).encode(), **curve_pngs(history, base)}
+    for name, blob in files.items():
+        storage.write_bytes(storage.join(ctx.output_uri, name), blob)
+        run.log_bytes(blob, name, "learning")
+    return {k: v for k, v in base.items() if isinstance(v, float)}, sorted(files)
+
+
 def run_stage(ctx: StageContext) -> StageResult:
     import hashlib
 
@@ -197,6 +220,11 @@ def run_stage(ctx: StageContext) -> StageResult:
     with remote_progress("pretrain", cfg.max_steps, "steps", _describe) as progress:
         result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
     metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
+    base, learning_files = write_learning(ctx, cfg, spec.vocab_tokens, (result.metrics or {}).get("history", []), run)
+    metrics.update(base)
+    for task in ("mlm", "nsp"):  # how far above the trivial predictor the held-out accuracy is
+        if metrics.get(f"baseline_{task}_accuracy") and f"eval_{task}_accuracy" in metrics:
+            metrics[f"eval_{task}_over_baseline"] = metrics[f"eval_{task}_accuracy"] / metrics[f"baseline_{task}_accuracy"]
     metrics["seconds"] = time.time() - started
     storage.write_text_atomic(storage.join(ctx.output_uri, "metrics.json"), json.dumps(metrics, indent=2))
     model_uri = register(run, spec.export_uri, ctx.tracking.get("registered_model", ""))
@@ -204,4 +232,4 @@ def run_stage(ctx: StageContext) -> StageResult:
                        extra={"export": spec.export_uri, "checkpoints": storage.join(storage_path, spec.run_name),
                               "mlflow_model": model_uri,
                               "train_rows": rows, "checkpoint": result.checkpoint.path if result.checkpoint else ""},
-                       outputs=[f"export/{name}" for name in EXPORT_FILES])
+                       outputs=[*(f"export/{name}" for name in EXPORT_FILES), *learning_files])

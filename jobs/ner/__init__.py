@@ -1,0 +1,1 @@
+"""CoNLL-2003 NER fine-tuning: column reader, first-WordPiece labels, conlleval scoring, trial, stage."""

@@ -1,0 +1,134 @@
+"""What proves pre-training learns, without Ray: the `mini` preset loads and is checked, whole-word masking keeps
+BERT's recipe (whole words, the 15% budget, 80/10/10, seeded), the trivial-predictor baselines score what they
+should, and the curves are real PNGs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from bertpipe.jobs.config import load_config
+from bertpipe.jobs.pretrain.learning import baselines, curve_pngs
+from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, collate
+from bertpipe.pipeline.shards import shard_meta, shard_schema, write_shard
+
+REPO = Path(__file__).resolve().parents[1]
+# the five specials, 20 word starts (ids 5..24), 20 "##" continuation pieces (ids 25..44)
+TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(20)] + [f"##c{i}" for i in range(20)]
+CLS, SEP, FIRST_PIECE = 2, 3, 25
+
+
+def test_mini_preset_loads_and_is_checked():
+    cfg = load_config(str(REPO / "configs" / "mini.yaml"), base=str(REPO))
+    assert cfg.model.preset == "mini" and cfg.pretrain.whole_word_masking
+    assert len(cfg.pretrain.phases) == 2 and all(cfg.pretrain.phase_steps())
+    # every English dump the sample provides, and evaluation on held-out documents
+    assert sorted(Path(p).name.split("-")[0] for p in cfg.clean.input) == ["enwiki", "enwiki"]
+    assert cfg.pairs.heldout_fraction > 0 and cfg.pretrain.eval_every_steps > 0
+    assert cfg.ray.num_cpus > cfg.pretrain.num_workers * cfg.pretrain.cpus_per_worker
+
+
+def word_rows(rng, n: int) -> dict:
+    """Rows of words of 1-4 pieces: a word start, then 0-3 continuation pieces."""
+    rows = []
+    for _ in range(n):
+        pieces = []
+        for _ in range(int(rng.integers(8, 30))):
+            pieces.append(int(rng.integers(5, 25)))
+            pieces += [int(x) for x in rng.integers(FIRST_PIECE, 45, size=int(rng.integers(0, 4)))]
+        rows.append(np.array([CLS, *pieces, SEP], dtype=np.uint16))
+    col = np.empty(n, dtype=object)
+    col[:] = rows
+    return {"input_ids": col, "segment_b_start": np.array([len(r) for r in rows], np.int16),
+            "next_sentence_label": np.zeros(n, np.int8)}
+
+
+def words_of(row: np.ndarray) -> list[set[int]]:
+    words: list[set[int]] = []
+    for i, t in enumerate(row):
+        if t in (CLS, SEP):
+            continue
+        if t >= FIRST_PIECE and words:
+            words[-1].add(i)
+        else:
+            words.append({i})
+    return words
+
+
+def wwm_spec(**kw) -> MaskingSpec:
+    return MaskingSpec.from_vocab(TOKENS, max_seq_length=160, max_predictions=kw.pop("max_predictions", 40),
+                                  whole_word=True, **kw)
+
+
+def test_whole_word_masking_masks_every_piece_of_a_chosen_word_and_keeps_the_budget():
+    batch = word_rows(np.random.default_rng(0), 300)
+    out = collate(batch, wwm_spec(), np.random.default_rng(1))
+    chosen_total = budget_total = multi_piece = 0
+    for b, row in enumerate(batch["input_ids"]):
+        used = out["masked_lm_labels"][b] != IGNORE_INDEX
+        masked = set(out["masked_positions"][b][used].tolist())
+        for word in words_of(row):
+            assert word <= masked or not word & masked, (b, sorted(word), sorted(masked))
+            multi_piece += len(word) > 1 and word <= masked
+        budget = max(1, round((len(row) - 2) * 0.15))
+        assert len(masked) <= budget
+        chosen_total += len(masked)
+        budget_total += budget
+    assert multi_piece > 100
+    # a word that would overflow the budget is skipped, so rows may fall a piece or two short, rarely more
+    assert chosen_total >= 0.95 * budget_total, (chosen_total, budget_total)
+
+
+def test_whole_word_masking_keeps_80_10_10_and_is_seeded():
+    batch = word_rows(np.random.default_rng(2), 2000)
+    spec = wwm_spec()
+    out = collate(batch, spec, np.random.default_rng(3))
+    ids, labels, pos = out["input_ids"].numpy(), out["masked_lm_labels"].numpy(), out["masked_positions"].numpy()
+    used = labels != IGNORE_INDEX
+    new = ids[np.nonzero(used)[0], pos[used]]
+    assert 0.78 < (new == spec.mask_id).mean() < 0.82
+    assert 0.09 < (new == labels[used]).mean() < 0.12  # 10% kept + random draws of the same token
+    again = collate(batch, spec, np.random.default_rng(3))
+    other = collate(batch, spec, np.random.default_rng(4))
+    assert all(np.array_equal(out[k], again[k]) for k in out)
+    assert not np.array_equal(out["masked_positions"], other["masked_positions"])
+
+
+def write_rows(path: Path, rows: list[list[int]], labels: list[int]) -> str:
+    meta = shard_meta(vocab_hash="h", vocab_size=len(TOKENS), do_lower_case=True, max_seq_length=64,
+                      special_ids={t: i for i, t in enumerate(TOKENS[:5])})
+    table = pa.table({"input_ids": pa.array(rows, pa.list_(pa.uint16())),
+                      "segment_b_start": pa.array([len(r) // 2 for r in rows], pa.int16()),
+                      "next_sentence_label": pa.array(labels, pa.int8()),
+                      "num_tokens": pa.array([len(r) for r in rows], pa.int16())})
+    write_shard(str(path), table.cast(shard_schema(len(TOKENS), 64, meta)))
+    return str(path)
+
+
+def test_baselines_take_the_training_majority_and_score_it_on_held_out(tmp_path):
+    rng = np.random.default_rng(5)
+    # training: token 7 is the commonest and 70% of the pairs are NotNext (1)
+    train_rows = [[CLS, *([7] * 20), *rng.integers(8, 25, size=20).tolist(), SEP] for _ in range(200)]
+    train = write_rows(tmp_path / "train.parquet", train_rows, [1] * 140 + [0] * 60)
+    # held out: token 7 is a quarter of the text, token 9 half of it (commonest there, but not in training);
+    # 40% NotNext
+    held_rows = [[CLS, *rng.permutation([7] * 10 + [9] * 20 + [11] * 10).tolist(), SEP] for _ in range(400)]
+    held = write_rows(tmp_path / "heldout.parquet", held_rows, [1] * 160 + [0] * 240)
+    spec = MaskingSpec.from_vocab(TOKENS, max_seq_length=64, max_predictions=10)
+    base = baselines([train], held, spec)
+    assert base["baseline_mlm_token_id"] == 7 and base["baseline_nsp_label"] == 1
+    assert base["baseline_mlm_targets"] == 400 * 6  # 15% of 40 maskable tokens per row
+    assert base["baseline_mlm_accuracy"] == pytest.approx(0.25, abs=0.03)
+    assert base["baseline_nsp_accuracy"] == pytest.approx(0.4)
+    assert baselines([train], held, spec) == base  # fixed masks: the same figure on every run
+
+
+def test_curves_are_png_images():
+    history = [{"step": s, "loss": 9 - s / 50, "mlm_loss": 8 - s / 50, "mlm_accuracy": s / 1000,
+                "nsp_accuracy": 0.5 + s / 1000} for s in range(10, 110, 10)]
+    history += [{"step": 50, "eval_mlm_accuracy": 0.1, "eval_nsp_accuracy": 0.6, "eval_mlm_loss": 7.0}]
+    pngs = curve_pngs(history, {"baseline_mlm_accuracy": 0.05, "baseline_nsp_accuracy": 0.5})
+    assert sorted(pngs) == ["curve_accuracy.png", "curve_loss.png"]
+    assert all(blob.startswith(b"\x89PNG\r\n\x1a\n") and len(blob) > 5000 for blob in pngs.values())
