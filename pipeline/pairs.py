@@ -189,7 +189,6 @@ def pair_table(flat: np.ndarray, bounds: list[list[int]], *, max_seq_length: int
 # reads for the reducers in every part file.
 MAX_BUCKETS = 128
 PARTS_DIR = "_parts"
-OBJECT_STORE_PER_CPU = 32 * 2**20  # documents read ahead of the pairing tasks, per cluster CPU
 _COUNTERS = ("doc_passes", "short_targets", "no_other_document", "random_next", "instance_tokens")
 
 
@@ -311,16 +310,9 @@ def _first_pass(ctx: StageContext, cfg: PairsConfig, files: list[str], block_kwa
     from ray.data import DataContext
 
     known = (ctx.input("clean").manifest or {}).get("num_rows")  # documents, when the clean stage made them
-    import ray
-
     data_ctx = DataContext.get_current()
-    options = data_ctx.execution_options
-    saved = options.preserve_order, options.resource_limits
-    options.preserve_order = True  # same input -> same blocks -> same keys, seeds and bytes
-    # Reads are much faster than pairing: without a cap Ray Data reads ahead until a share of the whole object
-    # store is full, so its use grows with the corpus. A few pools per CPU keep every CPU fed.
-    cpus = ray.cluster_resources().get("CPU", 1)
-    options.resource_limits = options.resource_limits.copy(object_store_memory=int(OBJECT_STORE_PER_CPU * cpus))
+    saved_order = data_ctx.execution_options.preserve_order
+    data_ctx.execution_options.preserve_order = True  # same input -> same blocks -> same keys, seeds and bytes
     try:
         with remote_progress("pairs", known, "docs") as progress:
             ds = read_documents(files).map_batches(pair_block, batch_size=cfg.docs_per_partition,
@@ -329,7 +321,7 @@ def _first_pass(ctx: StageContext, cfg: PairsConfig, files: list[str], block_kwa
             ds.set_name("pairs: tokenize + pair + write parts")  # what the Ray dashboard's Data page shows
             rows = ds.take_all()
     finally:
-        options.preserve_order, options.resource_limits = saved
+        data_ctx.execution_options.preserve_order = saved_order
     return sorted(rows, key=lambda r: r["key"])
 
 
