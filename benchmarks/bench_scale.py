@@ -252,6 +252,8 @@ def main() -> None:
                     help="clean.split_bytes in MB, scaled down with the corpus (the default, 128, suits full dumps)")
     ap.add_argument("--docs-per-pool", type=int, default=500,
                     help="pairs.docs_per_partition, scaled down with the corpus so blocks outnumber the CPUs")
+    ap.add_argument("--workers-split-mb", type=int, default=3,
+                    help="clean.split_bytes for the 1-vs-2-workers check: enough units that 2 workers stay balanced")
     ap.add_argument("--clean-workers-check", type=int, default=30, help="xN dump to time clean with 1 vs 2 workers")
     ap.add_argument("--keep", default="", help="build in this folder and keep it")
     ap.add_argument("--json", default="", help="write the raw results here")
@@ -292,12 +294,12 @@ def clean_workers(dump: Path, tmp: Path, args) -> dict[int, float]:
         cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
             f"clean.input=[{dump}]", f"ray.num_cpus={args.num_cpus}", "ray.dashboard=false",
             "mlflow.tracking_uri=off", f"clean.num_read_workers={workers}",
-            f"clean.split_bytes={args.split_mb * 1_000_000}"],
+            f"clean.split_bytes={args.workers_split_mb * 1_000_000}"],
             workdir=str(tmp / f"workers-{workers}"))
         workflow.run(cfg, only=["clean"], force=True)
         m = read_manifest(workflow.stage_uri(cfg, "clean"))
         out[workers] = m["metrics"]["mb_wikitext"] / m["seconds"]
-    print(f"\nclean, {dump.name} ({dump.stat().st_size / 1e6:.0f} MB bz2, split_bytes {args.split_mb} MB): "
+    print(f"\nclean, {dump.name} ({dump.stat().st_size / 1e6:.0f} MB bz2, split_bytes {args.workers_split_mb} MB): "
           f"1 worker {out[1]:.1f} MB/s, 2 workers {out[2]:.1f} MB/s: {out[2] / out[1]:.2f}x")
     return out
 
