@@ -247,11 +247,14 @@ def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: 
 
 def status(cfg: RootConfig) -> list[dict[str, Any]]:
     """Every stage with its state: fresh (committed, matches), stale (committed, would rerun), broken (committed,
-    but outputs it lists are gone: reruns), missing."""
+    but outputs it lists are gone: reruns), missing. Opt-in stages (squad, ner, features) only once they have a
+    manifest: a workflow that never ran them is not missing anything."""
     state = committed(cfg)
     rows, states = [], {}
     for stage in STAGES:
         manifest, gone = state[stage.name]
+        if stage.opt_in and manifest is None:
+            continue
         try:
             plan = _plan(cfg, stage, state, set())
             expected, problem = plan.fingerprint(cfg), ""

@@ -117,3 +117,15 @@ def test_ner_stage_on_ray_writes_conll_predictions(ray_local, tiny_bert, tmp_pat
     assert [line.split()[:2] for line in lines if line] == [["EU", "I-ORG"], ["rejects", "O"], ["German", "I-MISC"],
                                                              ["Peter", "I-PER"], ["Blackburn", "I-PER"]]
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["gold"] == 3
+
+
+def test_status_lists_opt_in_stages_only_once_they_ran(tmp_path, tiny_bert):
+    import json as _json
+
+    cfg = load_config("tiny", [f"squad.init={tiny_bert}"], str(tmp_path / "w"))
+    assert [r["stage"] for r in workflow.status(cfg)] == ["clean", "vocab", "pairs", "pretrain", "finetune"]
+    squad = tmp_path / "w" / "squad"
+    squad.mkdir(parents=True)
+    (squad / "_MANIFEST.json").write_text(_json.dumps({"stage": "squad", "fingerprint": "x", "files": []}))
+    rows = {r["stage"]: r["state"] for r in workflow.status(cfg)}
+    assert list(rows) == ["clean", "vocab", "pairs", "pretrain", "finetune", "squad"] and rows["squad"] == "stale"
