@@ -60,3 +60,23 @@ def seed_everything(seed: int, threads: int) -> np.random.Generator:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     return np.random.default_rng(seed)
+
+
+def subsample(examples: list, limit: int, rng: np.random.Generator) -> list:
+    """At most `limit` examples drawn with `rng`, in their original order (0 = all)."""
+    if not limit or len(examples) <= limit:
+        return examples
+    return [examples[i] for i in np.sort(rng.choice(len(examples), limit, replace=False))]
+
+
+def train_epochs(train_epoch, model: torch.nn.Module, rows, opt, sched, rng: np.random.Generator, recipe,
+                 on_epoch=None) -> tuple[list[dict[str, float]], float]:
+    """`recipe.num_epochs` calls of the task's `train_epoch`; (per-epoch history, seconds)."""
+    import time
+
+    history, started = [], time.perf_counter()
+    for epoch in range(recipe.num_epochs):
+        history.append({"train_loss": train_epoch(model, rows, opt, sched, rng, recipe)})
+        if on_epoch is not None:
+            on_epoch(epoch + 1, history[-1])
+    return history, time.perf_counter() - started

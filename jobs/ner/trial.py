@@ -10,7 +10,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from bertpipe.jobs.downstream.training import load_tokenizer, make_optimizer, pad_rows, seed_everything, step
+from bertpipe.jobs.downstream.training import (load_tokenizer, make_optimizer, pad_rows, seed_everything, step,
+                                                 subsample, train_epochs)
 from bertpipe.jobs.ner.conll import Sentence, to_iob2
 from bertpipe.jobs.ner.conlleval import score
 from bertpipe.jobs.ner.features import Rows, build_rows
@@ -77,21 +78,15 @@ def run_ner_trial(model_dir: str | Path, data: NerData, learning_rate: float, se
     from bertpipe.model import BertForTokenClassification, load_pretrained
 
     rng = seed_everything(seed, recipe.cpus_per_trial)
-    train = data.train
-    if recipe.max_train_examples and len(train) > recipe.max_train_examples:
-        train = [train[i] for i in np.sort(rng.choice(len(train), recipe.max_train_examples, replace=False))]
+    train = subsample(data.train, recipe.max_train_examples, rng)
     tok = load_tokenizer(model_dir)
     label_id = {name: i for i, name in enumerate(data.labels)}
     train_rows = build_rows(tok, [s.words for s in train], [[label_id[t] for t in to_iob2(s.tags)] for s in train],
                             recipe.max_seq_length)
     model = load_pretrained(model_dir, BertForTokenClassification, num_labels=len(data.labels)).to(recipe.device)
     opt, sched, _ = make_optimizer(model, recipe, learning_rate, len(train_rows))
-    history, t0 = [], time.perf_counter()
-    for epoch in range(recipe.num_epochs):
-        history.append({"train_loss": train_epoch(model, train_rows, opt, sched, rng, recipe)})
-        if on_epoch is not None:
-            on_epoch(epoch + 1, history[-1])
-    train_seconds, t1 = time.perf_counter() - t0, time.perf_counter()
+    history, train_seconds = train_epochs(train_epoch, model, train_rows, opt, sched, rng, recipe, on_epoch)
+    t1 = time.perf_counter()
     eval_rows = build_rows(tok, [s.words for s in data.eval], None, recipe.max_seq_length)
     predicted = predict_tags(model, eval_rows, len(data.eval), data.labels, recipe.eval_batch_size, recipe.device)
     metrics = score([s.tags for s in data.eval], predicted)

@@ -10,7 +10,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from bertpipe.jobs.downstream.training import load_tokenizer, make_optimizer, pad_rows, seed_everything, step
+from bertpipe.jobs.downstream.training import (load_tokenizer, make_optimizer, pad_rows, seed_everything, step,
+                                                 subsample, train_epochs)
 from bertpipe.jobs.squad.data import Example
 from bertpipe.jobs.squad.features import Features, build_features
 from bertpipe.jobs.squad.metrics import best_null_threshold, evaluate
@@ -89,20 +90,14 @@ def run_squad_trial(model_dir: str | Path, data: SquadData, learning_rate: float
     from bertpipe.model import BertForQuestionAnswering, load_pretrained
 
     rng = seed_everything(seed, recipe.cpus_per_trial)
-    train = data.train
-    if recipe.max_train_examples and len(train) > recipe.max_train_examples:
-        train = [train[i] for i in np.sort(rng.choice(len(train), recipe.max_train_examples, replace=False))]
+    train = subsample(data.train, recipe.max_train_examples, rng)
     tok = load_tokenizer(model_dir)
     shape = (recipe.max_seq_length, recipe.doc_stride, recipe.max_query_length)
     train_feats = build_features(tok, train, *shape, labelled=True)
     model = load_pretrained(model_dir, BertForQuestionAnswering).to(recipe.device)
     opt, sched, _ = make_optimizer(model, recipe, learning_rate, len(train_feats))
-    history, t0 = [], time.perf_counter()
-    for epoch in range(recipe.num_epochs):
-        history.append({"train_loss": train_epoch(model, train_feats, opt, sched, rng, recipe)})
-        if on_epoch is not None:
-            on_epoch(epoch + 1, history[-1])
-    train_seconds, t1 = time.perf_counter() - t0, time.perf_counter()
+    history, train_seconds = train_epochs(train_epoch, model, train_feats, opt, sched, rng, recipe, on_epoch)
+    t1 = time.perf_counter()
     eval_feats = build_features(tok, data.eval, *shape, labelled=False)
     starts, ends = logits_of(model, eval_feats, recipe.eval_batch_size, recipe.device)
     texts, margins = predict_answers(data.eval, eval_feats, starts, ends, recipe.n_best_size,
