@@ -1,10 +1,12 @@
 """Does pre-training help? The `mini` preset's pre-trained export vs the same architecture from random
 initialisation, fine-tuned on SST-2, MRPC, CoLA and STS-B (GLUE dev sets) with the same recipe, data and seeds.
 
-    .venv/bin/python benchmarks/bench_pretrain_value.py \
-        --export 640=work/mini/pretrain/export --export 200=work/wwm-on/pretrain/export
+    .venv/bin/python benchmarks/bench_pretrain_value.py --export 4400=work/mini/pretrain/export \
+        --checkpoint 400=work/mini/ray_results/pretrain-<id>/checkpoint_<time of step 400> [--checkpoint ...]
 
-Each --export NAME=DIR is one pre-trained model (NAME: e.g. its pre-training steps); the random-initialised
+Each --export NAME=DIR is one pre-trained model (NAME: e.g. its pre-training steps); each --checkpoint NAME=DIR is
+an earlier budget of the same run (the `mini` preset keeps every checkpoint; `position.json` in each says its
+step), exported with the first export's config and vocabulary. The random-initialised
 model takes the first export's config.json and vocabulary, its weights drawn with the trial's seed (BERT's
 truncated-normal 0.02 init, as pre-training starts from). Every arm runs the project's own fine-tuning trial
 (jobs/finetune/trial.py) with identical hyper-parameters, training subset and seed. The table gives the dev
@@ -44,6 +46,20 @@ def random_init_dir(export: Path, seed: int, root: Path) -> Path:
     torch.manual_seed(seed)
     out = root / f"random-{seed}"
     save_pretrained(BertForPreTraining(config), out, export / "vocab.txt")
+    return out
+
+
+def export_from_checkpoint(ckpt: Path, like: Path, out: Path) -> Path:
+    """An HF-layout export of a pre-training checkpoint (a Ray Train `checkpoint_*` folder of the pretrain stage,
+    ZeRO 0-2: rank 0's model states hold the whole module), with `like`'s config and vocabulary."""
+    from bertpipe.model import BertForPreTraining, load_pretrained, save_pretrained
+
+    states = ckpt / "ckpt" / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        sys.exit(f"--checkpoint {ckpt}: no {states.relative_to(ckpt)} (a ZeRO-3 checkpoint, or not a pretrain one?)")
+    model = BertForPreTraining(load_pretrained(like, BertForPreTraining).config)
+    model.load_state_dict(torch.load(states, map_location="cpu", weights_only=False)["module"])
+    save_pretrained(model, out, like / "vocab.txt")
     return out
 
 
@@ -94,6 +110,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--export", action="append", required=True, metavar="NAME=DIR",
                     help="a pre-trained export (HF layout); repeat for several pre-training budgets")
+    ap.add_argument("--checkpoint", action="append", metavar="NAME=DIR",
+                    help="an intermediate budget: a pretrain `checkpoint_*` folder (keep more with "
+                         "--set pretrain.num_checkpoints_to_keep=N), exported with the first --export's config")
     ap.add_argument("--glue", type=Path, default=GLUE)
     ap.add_argument("--tasks", nargs="+", default=["SST-2", "MRPC", "CoLA", "STS-B"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
@@ -111,6 +130,11 @@ def main() -> None:
         if not (Path(path) / "config.json").is_file():
             sys.exit(f"--export {item}: {path} has no config.json (an HF-layout export folder?)")
         exports[name] = Path(path)
+    converted, budgets = tempfile.TemporaryDirectory(), {}
+    for item in args.checkpoint or []:  # smaller budgets first in the table
+        name, _, path = item.partition("=")
+        budgets[name] = export_from_checkpoint(Path(path), next(iter(exports.values())), Path(converted.name) / name)
+    exports = {**budgets, **exports}
     missing = [t for t in args.tasks if not (args.glue / t / "train.tsv").is_file()]
     if missing:
         sys.exit(f"{args.glue} lacks {missing}: point --glue at a GLUE download")

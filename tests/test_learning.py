@@ -22,7 +22,7 @@ CLS, SEP, FIRST_PIECE = 2, 3, 25
 
 def test_mini_preset_loads_and_is_checked():
     cfg = load_config(str(REPO / "configs" / "mini.yaml"), base=str(REPO))
-    assert cfg.model.preset == "mini" and cfg.pretrain.whole_word_masking
+    assert cfg.model.preset == "bert-tiny" and cfg.pretrain.whole_word_masking
     assert len(cfg.pretrain.phases) == 2 and all(cfg.pretrain.phase_steps())
     # every English dump the sample provides, and evaluation on held-out documents
     assert sorted(Path(p).name.split("-")[0] for p in cfg.clean.input) == ["enwiki", "enwiki"]

@@ -10,7 +10,7 @@ from typing import Literal
 
 from bertpipe.pipeline.config import path_field
 
-MODEL_PRESETS = ("tiny", "mini", "base", "large")
+MODEL_PRESETS = ("tiny", "bert-tiny", "mini", "base", "large")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,7 +61,7 @@ def hf_twin(model, hf_cls):
 
 
 def test_presets_and_config_errors():
-    assert set(PRESETS) == {"tiny", "mini", "base", "large"}
+    assert set(PRESETS) == {"tiny", "bert-tiny", "mini", "base", "large"}
     large = BertConfig.preset("large")
     assert (large.num_hidden_layers, large.hidden_size, large.num_attention_heads, large.intermediate_size) == \
         (24, 1024, 16, 4096)

@@ -1,0 +1,74 @@
+"""The `mini` preset as a user runs it (its own relative input paths, resolved from the repository root), made
+short: twice with the same seed, every fingerprinted output of clean, vocab, pairs and pretrain has the same bytes,
+and pretrain writes its learning figures (baselines, held-out accuracy, curves) beside the export."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from bertpipe.jobs import workflow
+from bertpipe.jobs.config import load_config
+from bertpipe.pipeline.stage import read_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+# Both phases, a held-out evaluation and a checkpoint in 4 steps; dupe_factor 1 keeps pairs short.
+SHORT = ["pairs.dupe_factor=1", "pretrain.max_steps=4", "pretrain.phase1_fraction=0.5",
+         "pretrain.eval_every_steps=2", "pretrain.eval_max_batches=2", "pretrain.checkpoint_every_steps=2",
+         "pretrain.log_every_steps=1", "mlflow.tracking_uri='off'"]
+STAGES = ["clean", "vocab", "pairs", "pretrain"]
+
+
+def output_digests(workdir: Path) -> dict[str, str]:
+    """{stage/output: sha256} of every output each stage's manifest lists."""
+    digests = {}
+    for stage in STAGES:
+        manifest = read_manifest(str(workdir / stage))
+        assert manifest is not None, f"{stage} committed no manifest"
+        for name in manifest["outputs"]:
+            digests[f"{stage}/{name}"] = hashlib.sha256((workdir / stage / name).read_bytes()).hexdigest()
+    return digests
+
+
+@pytest.fixture(scope="module")
+def two_runs(ray_local, sample_dumps, tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.chdir(REPO)  # the preset's dump paths are relative, as a user at the repo root types them
+    runs = []
+    for name in ("a", "b"):
+        workdir = tmp_path_factory.mktemp(f"mini-{name}")
+        workflow.run(load_config("mini", SHORT, str(workdir)), only=STAGES)
+        runs.append(workdir)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_same_seed_gives_the_same_bytes_at_every_stage(two_runs):
+    a, b = (output_digests(w) for w in two_runs)
+    assert a == b
+    assert {k.split("/")[0] for k in a} == set(STAGES)
+    assert "pretrain/export/model.safetensors" in a
+
+
+def test_pretrain_writes_the_learning_figures(two_runs):
+    workdir = two_runs[0]
+    manifest = read_manifest(str(workdir / "pretrain"))
+    metrics = manifest["metrics"]
+    # the preset reads both English dumps of the sample, not just the first
+    clean = read_manifest(str(workdir / "clean"))
+    assert clean["metrics"]["num_input_files"] == 2 and clean["metrics"]["articles"] > 100
+    for key in ("eval_mlm_accuracy", "eval_nsp_accuracy", "baseline_mlm_accuracy", "baseline_nsp_accuracy"):
+        assert 0.0 <= metrics[key] <= 1.0, key
+    baselines = json.loads((workdir / "pretrain" / "baselines.json").read_text())
+    assert baselines["baseline_mlm_accuracy"] == pytest.approx(metrics["baseline_mlm_accuracy"])
+    history = json.loads((workdir / "pretrain" / "history.json").read_text())
+    assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]
+    assert [h["step"] for h in history if "eval_mlm_accuracy" in h] == [2, 4]
+    for png in ("curve_loss.png", "curve_accuracy.png"):
+        assert (workdir / "pretrain" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
