@@ -8,7 +8,8 @@ baseline and held-out NSP accuracy every --eval-every steps.
     .venv/bin/python benchmarks/bench_mini_recipe.py --pairs work/mini/pairs --vocab work/mini/vocab/vocab.txt \
         --steps 240 --schedule-steps 900 --threads 1 [--lr 1e-3] [--batch 32] [--whole-word 1]
 
-Compare recipes at equal sequences seen (steps x batch), not equal steps.
+Compare recipes at equal sequences seen (steps x batch), not equal steps. `--mlm-weight 0` trains NSP alone (is it
+learnable here at all?); `--save F` then `--init F --seq 512 ...` runs a second phase on the first one's weights.
 """
 from __future__ import annotations
 
@@ -80,6 +81,10 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mlm-weight", type=float, default=1.0, help="0 trains NSP alone (is NSP learnable here?)")
+    ap.add_argument("--nsp-weight", type=float, default=1.0)
+    ap.add_argument("--init", type=Path, help="start from a state dict --save wrote (a second phase)")
+    ap.add_argument("--save", type=Path, help="write the model's state dict here at the end")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -95,31 +100,39 @@ def main() -> None:
                         num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = BertForPreTraining(config)
+    if args.init:
+        model.load_state_dict(torch.load(args.init))
     opt = torch.optim.AdamW(param_groups(model, 0.01), lr=args.lr, eps=1e-6)
     total = args.schedule_steps or args.steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_decay(s, total, args.warmup))
     n = len(train["input_ids"])
     print(json.dumps({k: str(v) for k, v in vars(args).items()}), f"\ntrain rows {n}, held-out rows "
           f"{len(held['input_ids'])}, MLM baseline {base:.3f}", flush=True)
-    print("| step | sequences | train loss | held-out MLM | x baseline | held-out NSP | s |\n|---|---|---|---|---|---|---|")
+    print("| step | sequences | train loss | train NSP | held-out MLM | x baseline | held-out NSP | s |\n"
+          "|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(args.seed)
     order, pos, loss_sum, losses, t0 = rng.permutation(n), 0, 0.0, 0, time.perf_counter()
+    nsp_right = 0
     for step in range(1, args.steps + 1):
         if pos + args.batch > n:
             order, pos = rng.permutation(n), 0
         out = model(**collate(batch_of(train, order[pos:pos + args.batch]), train_spec, rng))
         pos += args.batch
-        out.loss.backward()
+        (args.mlm_weight * out.mlm_loss + args.nsp_weight * out.nsp_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         opt.zero_grad()
         loss_sum, losses = loss_sum + float(out.loss.detach()), losses + 1
+        nsp_right += int(out.nsp_correct)
         if step % args.eval_every == 0 or step == args.steps:
             mlm, nsp = evaluate(model, held, eval_spec)
-            print(f"| {step} | {step * args.batch} | {loss_sum / losses:.3f} | {mlm:.3f} | {mlm / base:.2f} | "
+            print(f"| {step} | {step * args.batch} | {loss_sum / losses:.3f} | {nsp_right / (losses * args.batch):.3f} | "
+                  f"{mlm:.3f} | {mlm / base:.2f} | "
                   f"{nsp:.3f} | {time.perf_counter() - t0:.0f} |", flush=True)
-            loss_sum, losses = 0.0, 0
+            loss_sum, losses, nsp_right = 0.0, 0, 0
+    if args.save:
+        torch.save(model.state_dict(), args.save)
 
 
 if __name__ == "__main__":
