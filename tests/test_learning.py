@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from bertpipe.jobs.config import load_config
-from bertpipe.jobs.pretrain.learning import baselines, curve_pngs
+from bertpipe.jobs.pretrain.learning import baselines, best_threshold, curve_pngs
 from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, collate
 from bertpipe.pipeline.shards import shard_meta, shard_schema, write_shard
 
@@ -96,11 +96,11 @@ def test_whole_word_masking_keeps_80_10_10_and_is_seeded():
     assert not np.array_equal(out["masked_positions"], other["masked_positions"])
 
 
-def write_rows(path: Path, rows: list[list[int]], labels: list[int]) -> str:
+def write_rows(path: Path, rows: list[list[int]], labels: list[int], b_start=lambda r: len(r) // 2) -> str:
     meta = shard_meta(vocab_hash="h", vocab_size=len(TOKENS), do_lower_case=True, max_seq_length=64,
                       special_ids={t: i for i, t in enumerate(TOKENS[:5])})
     table = pa.table({"input_ids": pa.array(rows, pa.list_(pa.uint16())),
-                      "segment_b_start": pa.array([len(r) // 2 for r in rows], pa.int16()),
+                      "segment_b_start": pa.array([b_start(r) for r in rows], pa.int16()),
                       "next_sentence_label": pa.array(labels, pa.int8()),
                       "num_tokens": pa.array([len(r) for r in rows], pa.int16())})
     write_shard(str(path), table.cast(shard_schema(len(TOKENS), 64, meta)))
@@ -132,3 +132,49 @@ def test_curves_are_png_images():
     pngs = curve_pngs(history, {"baseline_mlm_accuracy": 0.05, "baseline_nsp_accuracy": 0.5})
     assert sorted(pngs) == ["curve_accuracy.png", "curve_loss.png"]
     assert all(blob.startswith(b"\x89PNG\r\n\x1a\n") and len(blob) > 5000 for blob in pngs.values())
+
+
+def test_best_threshold_is_the_training_optimum_of_the_notnext_below_rule():
+    score = np.array([0.4, 0.1, 0.3, 0.2, 0.3])
+    label = np.array([0, 1, 0, 1, 1])  # NotNext below 0.3, but one NotNext sits at 0.3 beside an IsNext
+    t = best_threshold(score, label)
+    assert t == pytest.approx(0.3)  # 4 of 5 right; t = 0.4 also scores 4 of 5, the smaller wins
+    assert best_threshold(np.array([0.5, 0.5]), np.array([1, 1])) == 2.0  # all NotNext: "always NotNext"
+    assert best_threshold(np.array([0.5, 0.5]), np.array([0, 0])) == 0.5  # all IsNext: nothing is below
+
+
+def topic_rows(rng, labels: list[int], same_topic_notnext: int = 0) -> list[list[int]]:
+    """[CLS] A [SEP] B [SEP], segments of 8: the function words 5-8 (the commonest pieces, left out by the rule)
+    and the 4 ids of one of 4 topics (9-24): IsNext (0) shares A's topic; NotNext (1) takes another topic, except the first `same_topic_notnext`."""
+    rows, seen_notnext = [], 0
+    for label in labels:
+        topic = int(rng.integers(4))
+        other = topic
+        if label == 1:
+            seen_notnext += 1
+            if seen_notnext > same_topic_notnext:
+                other = (topic + 1 + int(rng.integers(3))) % 4
+
+        def segment(t: int) -> list[int]:
+            words = [*range(5, 9), *range(9 + 4 * t, 13 + 4 * t)]
+            return rng.permutation(words).tolist()
+
+        a = segment(topic)
+        rows.append([CLS, *a, SEP, *segment(other), SEP])
+    return rows
+
+
+def test_nsp_overlap_rule_separates_topics_and_counts_its_misses_on_held_out(tmp_path):
+    rng = np.random.default_rng(3)
+    train_labels = [0, 1] * 100
+    train = write_rows(tmp_path / "train.parquet", topic_rows(rng, train_labels), train_labels,
+                       b_start=lambda r: 10)
+    # held out: 100 IsNext, 100 NotNext of which 20 drew a B of A's own topic (the rule calls those IsNext)
+    held_labels = [1] * 100 + [0] * 100
+    held = write_rows(tmp_path / "heldout.parquet", topic_rows(rng, held_labels, same_topic_notnext=20),
+                      held_labels, b_start=lambda r: 10)
+    spec = MaskingSpec.from_vocab(TOKENS, max_seq_length=64, max_predictions=10)
+    base = baselines([train], held, spec)
+    assert 0 < base["nsp_overlap_rule_threshold"] <= 1
+    assert base["nsp_overlap_rule_accuracy"] == pytest.approx(180 / 200)
+    assert base["baseline_nsp_accuracy"] == pytest.approx(0.5)

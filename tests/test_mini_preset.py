@@ -67,6 +67,8 @@ def test_pretrain_writes_the_learning_figures(two_runs):
         assert 0.0 <= metrics[key] <= 1.0, key
     baselines = json.loads((workdir / "pretrain" / "baselines.json").read_text())
     assert baselines["baseline_mlm_accuracy"] == pytest.approx(metrics["baseline_mlm_accuracy"])
+    # on real articles, topic overlap alone tells NotNext from IsNext far better than the majority class
+    assert metrics["nsp_overlap_rule_accuracy"] > metrics["baseline_nsp_accuracy"] + 0.1, metrics
     history = json.loads((workdir / "pretrain" / "history.json").read_text())
     assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]
     assert [h["step"] for h in history if "eval_mlm_accuracy" in h] == [2, 4]

@@ -3,6 +3,9 @@
 - MLM baseline: always predict the token most frequent among the *training* rows' maskable tokens, scored on the
   held-out rows' masked targets drawn exactly as the final evaluation draws them (token-level 15%, the caps).
 - NSP baseline: always predict the training rows' majority label, scored on the held-out rows.
+- NSP overlap rule, a reference above the baseline: no model, NotNext when few of segment B's content pieces
+  occur in segment A, with the threshold that is best on the training rows. Random NotNext segments come from
+  another article, so this is the shortcut topic gives; a held-out NSP figure below it has learned less than that.
 - Curves: training loss and accuracy per logging window, held-out accuracy per evaluation, the baselines as
   lines; one PNG each for loss and accuracy (matplotlib, no display needed).
 
@@ -24,6 +27,10 @@ BASELINE_SEED = 20_191  # any fixed value: the baseline's masks are the same on 
 # shuffled shards are those of all of them.
 MAX_TRAIN_SHARDS = 4
 MAX_HELDOUT_ROWS = 20_000
+MAX_RULE_TRAIN_ROWS = 50_000
+# The overlap rule ignores the commonest pieces (function words, punctuation): at most this many, and at most a
+# tenth of the vocabulary.
+RULE_STOPWORDS = 100
 
 
 def _read(uri: str, columns: list[str]):
@@ -61,8 +68,64 @@ def heldout_targets(uri: str, spec: MaskingSpec, batch_size: int = 256) -> np.nd
     return np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64)
 
 
+def content_overlap(uris: list[str], stopword: np.ndarray, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(score, NSP label) of up to max_rows rows: the share of B's distinct content pieces (stopword[id] False)
+    that also occur in A; 0 when B has none."""
+    scores, labels, left = [], [], max_rows
+    for uri in uris:
+        table = _read(uri, ["input_ids", "segment_b_start", "next_sentence_label"]).slice(0, left)
+        b_start = table.column("segment_b_start").to_numpy().astype(np.int64)
+        for row, b in zip(table.column("input_ids").to_pylist(), b_start):
+            a = {t for t in row[1:b - 1] if not stopword[t]}
+            seg_b = {t for t in row[b:-1] if not stopword[t]}
+            scores.append(len(a & seg_b) / len(seg_b) if seg_b else 0.0)
+        labels.append(table.column("next_sentence_label").to_numpy().astype(np.int64))
+        left -= table.num_rows
+        if left <= 0:
+            break
+    return np.asarray(scores, dtype=np.float64), np.concatenate(labels) if labels else np.zeros(0, np.int64)
+
+
+def best_threshold(score: np.ndarray, label: np.ndarray) -> float:
+    """The t that maximises the accuracy of "NotNext (1) iff score < t" on these rows; ties go to the smallest t.
+    Scores lie in [0, 1], so t = 2 means "always NotNext". One sort, no loop over candidates."""
+    if len(score) == 0:
+        return 2.0
+    order = np.argsort(score, kind="stable")
+    s, notnext = score[order], label[order] == 1
+    # For t = s[i]: rows 0..i-1 are called NotNext, rows i.. IsNext.
+    notnext_below = np.concatenate([[0], np.cumsum(notnext)])
+    isnext_below = np.concatenate([[0], np.cumsum(~notnext)])
+    cut = np.concatenate([np.flatnonzero(np.r_[True, s[1:] != s[:-1]]), [len(s)]])
+    right = notnext_below[cut] + (isnext_below[-1] - isnext_below[cut])
+    k = int(np.argmax(right))
+    return float(s[cut[k]]) if cut[k] < len(s) else 2.0
+
+
+def rule_stopwords(counts: np.ndarray, special_ids: tuple[int, ...]) -> np.ndarray:
+    """bool [vocab]: the pieces the overlap rule ignores, the commonest in `counts` and the specials."""
+    stopword = np.zeros(len(counts), dtype=bool)
+    counts = counts.copy()
+    counts[list(special_ids)] = -1
+    stopword[np.argsort(-counts, kind="stable")[:min(RULE_STOPWORDS, len(counts) // 10)]] = True
+    stopword[list(special_ids)] = True
+    return stopword
+
+
+def nsp_overlap_rule(train_uris: list[str], heldout_uri: str, counts: np.ndarray,
+                     special_ids: tuple[int, ...]) -> dict[str, float]:
+    """The overlap rule's threshold (fitted on training rows) and its held-out accuracy; counts = training piece
+    counts, from which the stopwords are taken."""
+    stopword = rule_stopwords(counts, special_ids)
+    threshold = best_threshold(*content_overlap(train_uris, stopword, MAX_RULE_TRAIN_ROWS))
+    score, label = content_overlap([heldout_uri], stopword, MAX_HELDOUT_ROWS)
+    accuracy = float(((score < threshold) == (label == 1)).mean()) if len(label) else 0.0
+    return {"nsp_overlap_rule_accuracy": accuracy, "nsp_overlap_rule_threshold": threshold}
+
+
 def baselines(train_uris: list[str], heldout_uri: str, spec: MaskingSpec) -> dict[str, float]:
-    """Held-out accuracy of the two trivial predictors, plus which token and label they predict."""
+    """Held-out accuracy of the two trivial predictors, plus which token and label they predict, and of the NSP
+    overlap rule."""
     train_uris = train_uris[:MAX_TRAIN_SHARDS]
     counts = token_counts(train_uris, spec.vocab_size)
     counts[list(spec.special_ids)] = 0  # never a target
@@ -73,7 +136,8 @@ def baselines(train_uris: list[str], heldout_uri: str, spec: MaskingSpec) -> dic
     return {"baseline_mlm_accuracy": float((targets == top).mean()) if len(targets) else 0.0,
             "baseline_mlm_token_id": float(top), "baseline_mlm_targets": float(len(targets)),
             "baseline_nsp_accuracy": float((held_nsp == majority).mean()) if len(held_nsp) else 0.0,
-            "baseline_nsp_label": float(majority)}
+            "baseline_nsp_label": float(majority),
+            **nsp_overlap_rule(train_uris, heldout_uri, counts, spec.special_ids)}
 
 
 def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -114,6 +178,9 @@ def curve_pngs(history: list[dict[str, Any]], base: dict[str, float]) -> dict[st
     mlm = base["baseline_mlm_accuracy"]
     hlines = [(f"most-frequent-token MLM baseline {mlm:.3f}", mlm), (f"3x that baseline {3 * mlm:.3f}", 3 * mlm),
               (f"majority NSP baseline {base['baseline_nsp_accuracy']:.3f}", base["baseline_nsp_accuracy"])]
+    if "nsp_overlap_rule_accuracy" in base:
+        rule = base["nsp_overlap_rule_accuracy"]
+        hlines.append((f"NSP word-overlap rule (no model) {rule:.3f}", rule))
     acc = _figure(history, [("mlm_accuracy", "train MLM"), ("nsp_accuracy", "train NSP"),
                             ("eval_mlm_accuracy", "held-out MLM"), ("eval_nsp_accuracy", "held-out NSP")],
                   hlines, "accuracy", "pre-training accuracy")
