@@ -127,9 +127,9 @@ def main() -> None:
         nsp_right += int(out.nsp_correct)
         if step % args.eval_every == 0 or step == args.steps:
             mlm, nsp = evaluate(model, held, eval_spec)
-            print(f"| {step} | {step * args.batch} | {loss_sum / losses:.3f} | {nsp_right / (losses * args.batch):.3f} | "
-                  f"{mlm:.3f} | {mlm / base:.2f} | "
-                  f"{nsp:.3f} | {time.perf_counter() - t0:.0f} |", flush=True)
+            train_nsp = nsp_right / (losses * args.batch)
+            print(f"| {step} | {step * args.batch} | {loss_sum / losses:.3f} | {train_nsp:.3f} | {mlm:.3f} | "
+                  f"{mlm / base:.2f} | {nsp:.3f} | {time.perf_counter() - t0:.0f} |", flush=True)
             loss_sum, losses, nsp_right = 0.0, 0, 0
     if args.save:
         torch.save(model.state_dict(), args.save)

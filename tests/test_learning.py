@@ -143,24 +143,22 @@ def test_best_threshold_is_the_training_optimum_of_the_notnext_below_rule():
     assert best_threshold(np.array([0.5, 0.5]), np.array([0, 0])) == 0.5  # all IsNext: nothing is below
 
 
+def topic_segment(rng, topic: int) -> list[int]:
+    """8 pieces: the function words 5-8 (the commonest, left out by the rule) and the 4 ids of one of 4 topics."""
+    return rng.permutation([*range(5, 9), *range(9 + 4 * topic, 13 + 4 * topic)]).tolist()
+
+
 def topic_rows(rng, labels: list[int], same_topic_notnext: int = 0) -> list[list[int]]:
-    """[CLS] A [SEP] B [SEP], segments of 8: the function words 5-8 (the commonest pieces, left out by the rule)
-    and the 4 ids of one of 4 topics (9-24): IsNext (0) shares A's topic; NotNext (1) takes another topic, except the first `same_topic_notnext`."""
+    """[CLS] A [SEP] B [SEP] (B starts at 10): IsNext (0) shares A's topic; NotNext (1) takes another topic,
+    except the first `same_topic_notnext` NotNext rows."""
     rows, seen_notnext = [], 0
     for label in labels:
-        topic = int(rng.integers(4))
-        other = topic
+        topic = other = int(rng.integers(4))
         if label == 1:
             seen_notnext += 1
             if seen_notnext > same_topic_notnext:
                 other = (topic + 1 + int(rng.integers(3))) % 4
-
-        def segment(t: int) -> list[int]:
-            words = [*range(5, 9), *range(9 + 4 * t, 13 + 4 * t)]
-            return rng.permutation(words).tolist()
-
-        a = segment(topic)
-        rows.append([CLS, *a, SEP, *segment(other), SEP])
+        rows.append([CLS, *topic_segment(rng, topic), SEP, *topic_segment(rng, other), SEP])
     return rows
 
 
