@@ -71,11 +71,31 @@ def run_ours(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]
     return r.score, time.perf_counter() - t0
 
 
+def hf_data_seed(seed: int) -> int:
+    """The Trainer's data-order seed for trial `seed`. Its seedable sampler shuffles epoch e with `data_seed + e`
+    (`seed + e` when data_seed is unset), so trials seeded 1, 2, 3... would share epoch orders: seed 2's first epoch
+    is seed 1's second. Spacing the data seeds keeps every (trial, epoch) order distinct, as on our side, where
+    each trial draws its own permutations; shared orders correlate the trials and shrink the Trainer's sd."""
+    return 1_000_003 * seed
+
+
+def hf_training_args(p: TrialParams, output_dir: str, warmup_steps: int):
+    """The Trainer's arguments for trial `p`: our recipe's hyper-parameters, with independent data orders."""
+    from transformers import TrainingArguments
+
+    r = p.recipe
+    return TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=r.batch_size, per_device_eval_batch_size=r.eval_batch_size,
+        learning_rate=p.learning_rate, num_train_epochs=r.num_epochs, warmup_steps=warmup_steps,
+        weight_decay=r.weight_decay, adam_epsilon=r.adam_epsilon, max_grad_norm=r.max_grad_norm,
+        lr_scheduler_type="linear", seed=p.seed, data_seed=hf_data_seed(p.seed), use_cpu=True, report_to="none",
+        save_strategy="no", eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+
+
 def run_hf(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
     import math
 
-    from transformers import (AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding, Trainer,
-                              TrainingArguments, set_seed)
+    from transformers import AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding, Trainer, set_seed
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -97,12 +117,7 @@ def run_hf(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
 
     total = math.ceil(len(data.train) / p.recipe.batch_size) * p.recipe.num_epochs
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=p.recipe.batch_size, per_device_eval_batch_size=p.recipe.eval_batch_size,
-            learning_rate=p.learning_rate, num_train_epochs=p.recipe.num_epochs, warmup_steps=int(total * p.recipe.warmup_proportion),
-            weight_decay=p.recipe.weight_decay, adam_epsilon=p.recipe.adam_epsilon, max_grad_norm=p.recipe.max_grad_norm,
-            lr_scheduler_type="linear", seed=p.seed, use_cpu=True, report_to="none", save_strategy="no",
-            eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+        args = hf_training_args(p, out, warmup_steps=int(total * p.recipe.warmup_proportion))
         trainer = Trainer(model=net, args=args, train_dataset=features(data.train),
                           data_collator=DataCollatorWithPadding(tok, pad_to_multiple_of=8))
         trainer.train()

@@ -70,7 +70,7 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 def run_all(args, exports: dict[str, Path]) -> dict[str, dict[str, list[float]]]:
     """{task: {arm: [dev score x100 per seed]}}; prints one line per trial."""
     recipe = FinetuneConfig(batch_size=args.batch_size, num_epochs=args.epochs, max_seq_length=args.max_seq_length,
-                            max_train_examples=args.train_examples, cpus_per_trial=args.threads)
+                            max_train_examples=args.train_examples, cpus_per_trial=args.threads, dropout=args.dropout)
     scores: dict[str, dict[str, list[float]]] = {}
     first = next(iter(exports.values()))
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-seq-length", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=None,
+                    help="fine-tuning dropout for every arm (default: each export's config.json, 0 for a mini export)")
     ap.add_argument("--json", type=Path, help="write the per-seed scores here")
     args = ap.parse_args()
     exports = {}

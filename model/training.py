@@ -23,6 +23,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def dropout_overrides(dropout: float | None) -> dict | None:
+    """`load_pretrained` config overrides that set both dropout rates; None keeps the checkpoint's."""
+    if dropout is None:
+        return None
+    return {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+
+
 def warmup_decay(step: int, total: int, warmup: int, power: float = 1.0, from_zero: bool = False) -> float:
     """Factor of the peak learning rate at 0-based `step` of a schedule of `total` steps. `from_zero`: the
     warmup factor is step/warmup (fine-tuning's reference convention), else (step+1)/warmup."""

@@ -261,3 +261,35 @@ def test_eval_only_after_the_last_epoch_gives_the_same_score(tiny_model, sample_
     assert [("score" in row) for row in runs[1].history] == [False, False, True]
     assert [("score" in row) for row in runs[0].history] == [True, True, True]
     assert [row["train_loss"] for row in runs[0].history] == [row["train_loss"] for row in runs[1].history]
+
+
+def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sample_dir):
+    """An export whose config.json says dropout 0 (the `mini` preset pre-trains without it) fine-tunes without
+    dropout unless finetune.dropout sets it: then both rates are that value and training forwards are noisy."""
+    from bertpipe.jobs.finetune.trial import prepare
+    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
+    from bertpipe.jobs.squad.config import SquadConfig
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(40)]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    cfg = BertConfig.preset("tiny", vocab_size=len(vocab), num_hidden_layers=1, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+    save_pretrained(BertForPreTraining(cfg), tmp_path / "export", tmp_path / "vocab.txt")
+    data = read_task(str(sample_dir), TASKS["MRPC"], with_test=False)
+
+    def noisy_in_training(dropout):
+        t = prepare(tmp_path / "export", data, TrialParams(learning_rate=1e-3, seed=1, recipe=FinetuneConfig(dropout=dropout)))
+        rates = {t.model.bert.config.hidden_dropout_prob, t.model.bert.config.attention_probs_dropout_prob,
+                 t.model.dropout.p}
+        b = collate(t.train_enc, range(8))
+        t.model.train()
+        a, c = (t.model(b["input_ids"], b["token_type_ids"], b["attention_mask"])[1] for _ in range(2))
+        return rates, not torch.equal(a, c)
+
+    assert noisy_in_training(None) == ({0.0}, False)
+    assert noisy_in_training(0.1) == ({0.1}, True)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="finetune.dropout"):
+            FinetuneConfig(dropout=bad)
+        with pytest.raises(ValueError, match="squad.dropout"):
+            SquadConfig(dropout=bad)

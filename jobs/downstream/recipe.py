@@ -22,6 +22,10 @@ class Recipe:
     adam_epsilon: float = 1e-6
     max_grad_norm: float = 1.0
     max_seq_length: int = 128
+    # Dropout (hidden and attention probabilities) while fine-tuning; null = the checkpoint's config.json value.
+    # An export of a pre-training run without dropout (the `mini` preset) otherwise fine-tunes without it too;
+    # BERT fine-tunes at 0.1.
+    dropout: float | None = None
     # Seeded subsample of the training examples (0 = all): for smoke runs and CPU benchmarks.
     max_train_examples: int = 0
     # Ray resources per trial (torch uses cpus_per_trial threads); at most max_concurrent_trials at once (0 = all).
@@ -40,6 +44,8 @@ class Recipe:
             raise ValueError(f"{section}.seeds must name at least one seed")
         if not 0.0 <= self.warmup_proportion < 1.0:
             raise ValueError(f"{section}.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{section}.dropout must be in [0, 1) or null, got {self.dropout}")
         if not 16 <= self.max_seq_length <= 512:
             raise ValueError(f"{section}.max_seq_length must be in [16, 512], got {self.max_seq_length}")
         for name in ("max_train_examples", "max_concurrent_trials", "gpus_per_trial", "weight_decay"):

@@ -33,6 +33,10 @@ class FinetuneConfig:
     adam_epsilon: float = 1e-6
     max_grad_norm: float = 1.0
     max_seq_length: int = 128
+    # Dropout (hidden and attention probabilities) while fine-tuning; null = the checkpoint's config.json value.
+    # An export of a pre-training run without dropout (the `mini` preset) otherwise fine-tunes without it too;
+    # BERT fine-tunes at 0.1.
+    dropout: float | None = None
     # Evaluate dev after every epoch (curves in MLflow); False: only after the last, whose score is the trial's
     # either way.
     eval_each_epoch: bool = True
@@ -54,6 +58,8 @@ class FinetuneConfig:
             raise ValueError("finetune.seeds must name at least one seed")
         if not 0.0 <= self.warmup_proportion < 1.0:
             raise ValueError(f"finetune.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"finetune.dropout must be in [0, 1) or null, got {self.dropout}")
         if self.max_seq_length < 8:
             raise ValueError(f"finetune.max_seq_length must be >= 8, got {self.max_seq_length}")
         from bertpipe.jobs.finetune.glue_tasks import get_task

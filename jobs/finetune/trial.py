@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from bertpipe.model.training import param_groups, round_up, warmup_decay
+from bertpipe.model.training import dropout_overrides, param_groups, round_up, warmup_decay
 
 from bertpipe.jobs.finetune.config import FinetuneConfig
 from bertpipe.jobs.finetune.glue_metrics import compute_metrics, task_score
@@ -149,7 +149,8 @@ def prepare(model_dir: str | Path, data: TaskData, p: TrialParams) -> Prepared:
     if r.max_train_examples and len(train) > r.max_train_examples:
         train = train.take(np.sort(rng.choice(len(train), r.max_train_examples, replace=False)))
     tok = load_tokenizer(model_dir, r.max_seq_length)
-    model = load_pretrained(model_dir, BertForSequenceClassification, num_labels=data.spec.num_labels).to(p.device)
+    model = load_pretrained(model_dir, BertForSequenceClassification, num_labels=data.spec.num_labels,
+                            config_overrides=dropout_overrides(r.dropout)).to(p.device)
     total = math.ceil(len(train) / r.batch_size) * r.num_epochs
     warmup = int(total * r.warmup_proportion)
     # Fused AdamW: one kernel over all tensors; on CPU it is measurably cheaper than the foreach default for the

@@ -16,6 +16,7 @@ from bertpipe.jobs.ner.conll import Sentence, to_iob2
 from bertpipe.jobs.ner.conlleval import score
 from bertpipe.jobs.ner.features import Rows, build_rows
 from bertpipe.model.bert import IGNORE_INDEX
+from bertpipe.model.training import dropout_overrides
 
 
 @dataclass
@@ -83,7 +84,8 @@ def run_ner_trial(model_dir: str | Path, data: NerData, learning_rate: float, se
     label_id = {name: i for i, name in enumerate(data.labels)}
     train_rows = build_rows(tok, [s.words for s in train], [[label_id[t] for t in to_iob2(s.tags)] for s in train],
                             recipe.max_seq_length)
-    model = load_pretrained(model_dir, BertForTokenClassification, num_labels=len(data.labels)).to(recipe.device)
+    model = load_pretrained(model_dir, BertForTokenClassification, num_labels=len(data.labels),
+                            config_overrides=dropout_overrides(recipe.dropout)).to(recipe.device)
     opt, sched, _ = make_optimizer(model, recipe, learning_rate, len(train_rows))
     history, train_seconds = train_epochs(train_epoch, model, train_rows, opt, sched, rng, recipe, on_epoch)
     t1 = time.perf_counter()

@@ -16,6 +16,7 @@ from bertpipe.jobs.squad.data import Example
 from bertpipe.jobs.squad.features import Features, build_features
 from bertpipe.jobs.squad.metrics import best_null_threshold, evaluate
 from bertpipe.jobs.squad.predict import apply_threshold, predict_answers
+from bertpipe.model.training import dropout_overrides
 
 
 @dataclass
@@ -94,7 +95,8 @@ def run_squad_trial(model_dir: str | Path, data: SquadData, learning_rate: float
     tok = load_tokenizer(model_dir)
     shape = (recipe.max_seq_length, recipe.doc_stride, recipe.max_query_length)
     train_feats = build_features(tok, train, *shape, labelled=True)
-    model = load_pretrained(model_dir, BertForQuestionAnswering).to(recipe.device)
+    model = load_pretrained(model_dir, BertForQuestionAnswering,
+                            config_overrides=dropout_overrides(recipe.dropout)).to(recipe.device)
     opt, sched, _ = make_optimizer(model, recipe, learning_rate, len(train_feats))
     history, train_seconds = train_epochs(train_epoch, model, train_feats, opt, sched, rng, recipe, on_epoch)
     t1 = time.perf_counter()
