@@ -10,7 +10,8 @@ end of training. Each seed seeds everything random on its side before the model 
 data order. Wall time = model load + tokenize + train + dev evaluation.
 
     python benchmarks/bench_glue.py [--train 2000] [--dev 0] [--epochs 1] [--batch-size 32] [--max-seq-length 128]
-        [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2] [--seeds 1,2,3 | --num-seeds 10] [--skip-fanout]
+        [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2] [--seeds 1,2,3 | --num-seeds 10] [--subsample-seed 1]
+        [--skip-fanout]
 
 The table gives mean ± sample sd per side, the Welch t-test p for the means (scipy's ttest_ind, equal_var=False),
 our sd over theirs and our wall time over theirs; the per-seed scores follow it.
@@ -194,6 +195,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-seq-length", type=int, default=128)
     ap.add_argument("--seeds", default="1", help="comma-separated trial seeds; >1 gives mean ± sd per side")
     ap.add_argument("--num-seeds", type=int, default=0, help="seeds 1..N (overrides --seeds)")
+    ap.add_argument("--subsample-seed", type=int, default=1,
+                    help="seed of the train/dev subsample, the same for every trial seed and side (runs with other "
+                         "trial seeds then pool on the same rows)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fanout-train", type=int, default=300, help="train examples per fan-out trial (MRPC)")
     ap.add_argument("--skip-fanout", action="store_true")
@@ -209,11 +213,12 @@ def main() -> None:
     p = TrialParams(learning_rate=args.lr, seed=seeds[0],
                     recipe=FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads, eval_each_epoch=False,
                                           max_seq_length=args.max_seq_length, batch_size=args.batch_size))
-    print(f"model {model}\n{args.train} train examples, {args.epochs} epoch(s), lr {args.lr}, batch {args.batch_size}, seq "
-          f"{args.max_seq_length}, seeds {seeds}, {args.threads} torch threads, torch {torch.__version__}")
+    print(f"model {model}\n{args.train} train examples (subsample seed {args.subsample_seed}), {args.epochs} epoch(s), "
+          f"lr {args.lr}, batch {args.batch_size}, seq {args.max_seq_length}, seeds {seeds}, {args.threads} torch "
+          f"threads, torch {torch.__version__}")
     rows, per_seed = [], []
     for name in filter(None, args.tasks.split(",")):  # --tasks "" runs the fan-out alone
-        data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, seeds[0], args.dev)
+        data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, args.subsample_seed, args.dev)
         sides = run_task(model, data, p, seeds)
         (so, wo, co), (sh, wh, ch) = sides["ours"], sides["hf"]
         pval, sd_ratio = compare(so, sh)
@@ -234,7 +239,7 @@ def main() -> None:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
-        data = subsample(read_task(str(GLUE), TASKS["MRPC"], with_test=False), args.fanout_train, seeds[0])
+        data = subsample(read_task(str(GLUE), TASKS["MRPC"], with_test=False), args.fanout_train, args.subsample_seed)
         fanout(model, data, p, 1)  # warm-up: start the workers, import torch there
         for c in (1, 2):
             print(f"fan-out: 4 MRPC trials ({args.fanout_train} train rows each, 1 CPU / 1 thread per trial), "
