@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from functools import partial
 import os
 import sys
 import tempfile
@@ -80,8 +81,9 @@ def hf_data_seed(seed: int) -> int:
     return 1_000_003 * seed
 
 
-def hf_training_args(p: TrialParams, output_dir: str, warmup_steps: int):
-    """The Trainer's arguments for trial `p`: our recipe's hyper-parameters, with independent data orders."""
+def hf_training_args(p: TrialParams, output_dir: str, warmup_steps: int, shared_orders: bool = False):
+    """The Trainer's arguments for trial `p`: our recipe's hyper-parameters, with independent data orders
+    (`shared_orders`: the Trainer's default data seed instead, for the control run)."""
     from transformers import TrainingArguments
 
     r = p.recipe
@@ -89,11 +91,11 @@ def hf_training_args(p: TrialParams, output_dir: str, warmup_steps: int):
         output_dir=output_dir, per_device_train_batch_size=r.batch_size, per_device_eval_batch_size=r.eval_batch_size,
         learning_rate=p.learning_rate, num_train_epochs=r.num_epochs, warmup_steps=warmup_steps,
         weight_decay=r.weight_decay, adam_epsilon=r.adam_epsilon, max_grad_norm=r.max_grad_norm,
-        lr_scheduler_type="linear", seed=p.seed, data_seed=hf_data_seed(p.seed), use_cpu=True, report_to="none",
+        lr_scheduler_type="linear", seed=p.seed, data_seed=None if shared_orders else hf_data_seed(p.seed), use_cpu=True, report_to="none",
         save_strategy="no", eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
 
 
-def run_hf(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
+def run_hf(model: Path, data: TaskData, p: TrialParams, shared_orders: bool = False) -> tuple[float, float]:
     import math
 
     from transformers import AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding, Trainer, set_seed
@@ -118,7 +120,7 @@ def run_hf(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
 
     total = math.ceil(len(data.train) / p.recipe.batch_size) * p.recipe.num_epochs
     with tempfile.TemporaryDirectory() as out:
-        args = hf_training_args(p, out, warmup_steps=int(total * p.recipe.warmup_proportion))
+        args = hf_training_args(p, out, int(total * p.recipe.warmup_proportion), shared_orders)
         trainer = Trainer(model=net, args=args, train_dataset=features(data.train),
                           data_collator=DataCollatorWithPadding(tok, pad_to_multiple_of=8))
         trainer.train()
@@ -169,13 +171,15 @@ def compare(ours: list[float], theirs: list[float]) -> tuple[float, float]:
             float(sd_ours / sd_theirs) if sd_theirs > 0 else float("inf"))
 
 
-def run_task(model: Path, data: TaskData, p: TrialParams, seeds: list[int]) -> dict[str, tuple[list, list, list]]:
+def run_task(model: Path, data: TaskData, p: TrialParams, seeds: list[int],
+             hf_only: bool = False) -> dict[str, tuple[list, list, list]]:
     """Both sides once per seed, alternating so that a busy spell on the machine hits both: side → (scores, wall
     s, CPU s)."""
     sides: dict[str, tuple[list, list, list]] = {"ours": ([], [], []), "hf": ([], [], [])}
+    runners = (("hf", partial(run_hf, shared_orders=True)),) if hf_only else (("ours", run_ours), ("hf", run_hf))
     for seed in seeds:
         ps = dataclasses.replace(p, seed=seed)
-        for side, fn in (("ours", run_ours), ("hf", run_hf)):
+        for side, fn in runners:
             c0 = cpu_seconds()
             score, wall = fn(model, data, ps)
             for acc, v in zip(sides[side], (score, wall, cpu_seconds() - c0)):
@@ -199,6 +203,9 @@ def parse_args() -> argparse.Namespace:
                     help="seed of the train/dev subsample, the same for every trial seed and side (runs with other "
                          "trial seeds then pool on the same rows)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hf-shared-orders", action="store_true",
+                    help="control: run only the Trainer side with its default data seed (epoch e shuffled with "
+                         "seed + e, orders shared across consecutive trial seeds)")
     ap.add_argument("--fanout-train", type=int, default=300, help="train examples per fan-out trial (MRPC)")
     ap.add_argument("--skip-fanout", action="store_true")
     return ap.parse_args()
@@ -219,7 +226,11 @@ def main() -> None:
     rows, per_seed = [], []
     for name in filter(None, args.tasks.split(",")):  # --tasks "" runs the fan-out alone
         data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, args.subsample_seed, args.dev)
-        sides = run_task(model, data, p, seeds)
+        sides = run_task(model, data, p, seeds, hf_only=args.hf_shared_orders)
+        if args.hf_shared_orders:
+            scores = sides["hf"][0]
+            print(f"{name} HF, shared orders: {mean_sd(scores)}: {' '.join(f'{100 * x:.2f}' for x in scores)}")
+            continue
         (so, wo, co), (sh, wh, ch) = sides["ours"], sides["hf"]
         pval, sd_ratio = compare(so, sh)
         dev = sum(len(d) for d in data.dev.values())

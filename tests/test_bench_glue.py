@@ -64,12 +64,11 @@ def test_trainer_side_draws_distinct_data_orders_for_every_trial_and_epoch(tmp_p
 
 
 def test_without_a_data_seed_the_trainer_shares_epoch_orders_across_consecutive_seeds(tmp_path):
-    """What the benchmark guards against, shown on the installed transformers/accelerate: with only `seed` set,
-    trial 2's first epoch is trial 1's second."""
+    """What the benchmark guards against (and its --hf-shared-orders control reproduces), shown on the installed
+    transformers/accelerate: with only `seed` set, trial 2's first epoch is trial 1's second."""
     bench = bench_glue()
     orders = {}
     for seed in (1, 2):
-        args = bench.hf_training_args(trial(seed), str(tmp_path / str(seed)), warmup_steps=0)
-        args.data_seed = None
+        args = bench.hf_training_args(trial(seed), str(tmp_path / str(seed)), 0, shared_orders=True)
         orders[seed] = epoch_orders(args)
     assert orders[2][0] == orders[1][1] and orders[2][1] == orders[1][2]
