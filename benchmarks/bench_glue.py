@@ -93,8 +93,9 @@ def hf_training_args(p: TrialParams, output_dir: str, warmup_steps: int, shared_
         output_dir=output_dir, per_device_train_batch_size=r.batch_size, per_device_eval_batch_size=r.eval_batch_size,
         learning_rate=p.learning_rate, num_train_epochs=r.num_epochs, warmup_steps=warmup_steps,
         weight_decay=r.weight_decay, adam_epsilon=r.adam_epsilon, max_grad_norm=r.max_grad_norm,
-        lr_scheduler_type="linear", seed=p.seed, data_seed=None if shared_orders else hf_data_seed(p.seed), use_cpu=True, report_to="none",
-        save_strategy="no", eval_strategy="no", logging_strategy="no", dataloader_num_workers=0, disable_tqdm=True)
+        lr_scheduler_type="linear", seed=p.seed, data_seed=None if shared_orders else hf_data_seed(p.seed),
+        use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
+        dataloader_num_workers=0, disable_tqdm=True)
 
 
 def run_hf(model: Path, data: TaskData, p: TrialParams, shared_orders: bool = False) -> tuple[float, float]:
@@ -173,12 +174,15 @@ def compare(ours: list[float], theirs: list[float]) -> tuple[float, float]:
             float(sd_ours / sd_theirs) if sd_theirs > 0 else float("inf"))
 
 
+SIDES = (("ours", run_ours), ("hf", run_hf))
+CONTROL = (("hf", partial(run_hf, shared_orders=True)),)  # --hf-shared-orders: the Trainer alone, its default seeding
+
+
 def run_task(model: Path, data: TaskData, p: TrialParams, seeds: list[int],
-             hf_only: bool = False) -> dict[str, tuple[list, list, list]]:
-    """Both sides once per seed, alternating so that a busy spell on the machine hits both: side → (scores, wall
+             runners=SIDES) -> dict[str, tuple[list, list, list]]:
+    """Each side once per seed, alternating so that a busy spell on the machine hits both: side → (scores, wall
     s, CPU s)."""
     sides: dict[str, tuple[list, list, list]] = {"ours": ([], [], []), "hf": ([], [], [])}
-    runners = (("hf", partial(run_hf, shared_orders=True)),) if hf_only else (("ours", run_ours), ("hf", run_hf))
     for seed in seeds:
         ps = dataclasses.replace(p, seed=seed)
         for side, fn in runners:
@@ -228,7 +232,7 @@ def main() -> None:
     rows, per_seed = [], []
     for name in filter(None, args.tasks.split(",")):  # --tasks "" runs the fan-out alone
         data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, args.subsample_seed, args.dev)
-        sides = run_task(model, data, p, seeds, hf_only=args.hf_shared_orders)
+        sides = run_task(model, data, p, seeds, CONTROL if args.hf_shared_orders else SIDES)
         if args.hf_shared_orders:
             scores = sides["hf"][0]
             print(f"{name} HF, shared orders: {mean_sd(scores)}: {' '.join(f'{100 * x:.2f}' for x in scores)}")

@@ -15,20 +15,18 @@ from pathlib import Path
 
 def documents(lines) -> list[list[list[str]]]:
     """Documents → sentences → words (the first column), split at -DOCSTART- lines and blank lines."""
-    docs: list[list[list[str]]] = []
+    docs: list[list[list[str]]] = [[]]
     sentence: list[str] = []
-    for line in lines:
+    for line in [*lines, ""]:  # a final blank line closes the last sentence
         word = line.split(" ", 1)[0].strip()
-        if word == "-DOCSTART-" or not word:
-            if sentence:
-                docs[-1].append(sentence) if docs else docs.append([sentence])
-                sentence = []
-            if word == "-DOCSTART-":
-                docs.append([])
-        else:
+        if word and word != "-DOCSTART-":
             sentence.append(word)
-    if sentence:
-        docs[-1].append(sentence) if docs else docs.append([sentence])
+            continue
+        if sentence:
+            docs[-1].append(sentence)
+            sentence = []
+        if word == "-DOCSTART-":
+            docs.append([])
     return [d for d in docs if d]
 
 

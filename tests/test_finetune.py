@@ -295,7 +295,8 @@ def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sa
     data = read_task(str(sample_dir), TASKS["MRPC"], with_test=False)
 
     def noisy_in_training(dropout):
-        t = prepare(tmp_path / "export", data, TrialParams(learning_rate=1e-3, seed=1, recipe=FinetuneConfig(dropout=dropout)))
+        p = TrialParams(learning_rate=1e-3, seed=1, recipe=FinetuneConfig(dropout=dropout))
+        t = prepare(tmp_path / "export", data, p)
         rates = {t.model.bert.config.hidden_dropout_prob, t.model.bert.config.attention_probs_dropout_prob,
                  t.model.dropout.p}
         b = collate(t.train_enc, range(8))
