@@ -45,6 +45,10 @@ class Progress:
             self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True, file=sys.stderr)
 
     def set(self, count: float, **fields: Any) -> None:
+        status = fields.pop("status", None)
+        if status and status != self.fields.get("status"):
+            self.fields["status"] = status
+            self._say(status)
         self.fields.update(fields)
         if self.first is None and count > 0:
             self.first = (time.perf_counter(), count)
@@ -81,6 +85,13 @@ class Progress:
             return  # nothing new since the last line (a long start-up, or the final update twice)
         self._printed = state
         print(self.line(done), flush=True)
+
+    def _say(self, text: str) -> None:
+        """A one-off line about what the work is doing now (compiling...), shown at once, not at the next tick."""
+        if self.bar is not None:
+            self.bar.write(f"  {self.desc}: {text}", file=sys.stderr)
+        elif ENABLED["on"]:
+            print(f"  {self.desc}: {text}", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

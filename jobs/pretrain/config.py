@@ -82,6 +82,9 @@ class PretrainConfig:
     offload_optimizer: bool = False  # optimizer state and step on the CPU (needs optimizer_impl "deepspeed")
     # "auto" = bf16 on GPU, fp32 on CPU. fp16 uses dynamic loss scaling.
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # torch.compile the model through DeepSpeed's engine.compile(); None = on where use_gpu (measured on an H100:
+    # +12% for BERT-Large at seq 128), off on CPU, where compiling takes longer than a short run saves.
+    compile: bool | None = None
     # --- data
     masked_lm_prob: float = 0.15
     whole_word_masking: bool = False
@@ -110,6 +113,26 @@ class PretrainConfig:
             return (self.max_steps,)
         first = round(self.max_steps * self.phase1_fraction)
         return (first, self.max_steps - first)
+
+
+# Below this micro-batch at accumulation 1 the per-step overhead dominates a GPU step (measured on an H100,
+# BERT-Large seq 128, bf16 ZeRO 1: 430 seq/s at micro 64 × accumulation 1 against 1,439 at micro 256).
+MIN_GPU_MICRO_BATCH = 64
+
+
+def layout_warning(cfg: PretrainConfig) -> str:
+    """One line when a GPU phase ends at accumulation 1 with a micro-batch under MIN_GPU_MICRO_BATCH, else ''."""
+    if not cfg.use_gpu:
+        return ""
+    small = [ph for ph, steps in zip(cfg.phases, cfg.phase_steps()) if steps
+             and ph.global_batch_size == ph.micro_batch_size * cfg.num_workers
+             and ph.micro_batch_size < MIN_GPU_MICRO_BATCH]
+    if not small:
+        return ""
+    where = ", ".join(f"seq {ph.max_seq_length}: micro {ph.micro_batch_size} × accumulation 1" for ph in small)
+    return (f"pretrain layout ({where}) leaves the GPU waiting on per-step overhead (H100, BERT-Large seq 128: "
+            f"430 seq/s at micro 64 × accumulation 1, 1,439 at micro 256); use fewer workers with larger "
+            f"micro_batch_size, or a larger global_batch_size")
 
 
 def _check_lamb(cfg: PretrainConfig, bad) -> None:

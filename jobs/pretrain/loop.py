@@ -25,8 +25,9 @@ from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts, mapped_layouts
 from bertpipe.jobs.pretrain.length_binning import length_binned
 from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
-from bertpipe.jobs.pretrain.meter import Meter, all_sum
+from bertpipe.jobs.pretrain.meter import Meter, NonFiniteError, all_sum
 from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
+from bertpipe.jobs.pretrain import zero_fast_paths
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.model.training import param_groups
 from bertpipe.pipeline.progress import Reporter
@@ -34,6 +35,7 @@ from bertpipe.pipeline.progress import Reporter
 log = logging.getLogger("bertpipe.pretrain")
 # The training figures of a logging window that go into the curves.
 CURVE_KEYS = ("loss", "mlm_loss", "mlm_accuracy", "nsp_accuracy")
+STOPPED = "stopped"  # the metric a worker reports when training must not go on (its value: the reason)
 EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase
 
 
@@ -72,6 +74,7 @@ class Worker:
     world: int
     device: Any
     run: RunLogger
+    compiled: bool = False  # the first step of a compiled model has run (it compiled)
     # Logged windows and held-out evaluations, {"step": .., figure: ..}: the curves the driver draws. Saved in every
     # checkpoint, so a resumed run's curves start at step 1 too.
     history: list[dict[str, float]] = field(default_factory=list)
@@ -92,16 +95,12 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
     return BertForPreTraining(bert_cfg)
 
 
-def setup(spec: WorkerSpec) -> Worker:
+def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, seed: int, world: int):
+    """The DeepSpeed engine and LR scheduler of one worker (torch.distributed already initialised): what every
+    worker runs, and what the CPU tests and the step profile build without Ray."""
     import deepspeed
-    import ray.train
-    import ray.train.torch
 
-    cfg = spec.pretrain
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(cfg.cpus_per_worker)
-    model = build_model(spec.model, len(spec.vocab_tokens), spec.seed)
+    model = build_model(model_cfg, vocab_size, seed)
     if cfg.optimizer_impl == "torch":
         optimizer, params = make_optimizer(cfg, model), None
     else:
@@ -111,6 +110,25 @@ def setup(spec: WorkerSpec) -> Worker:
         dist_init_required=False, lr_scheduler=lambda opt: make_scheduler(cfg, opt))
     if cfg.optimizer == "lamb":
         attach_lamb_layouts(engine)  # DeepSpeed now holds flat partitions: one trust ratio per parameter still
+    zero_fast_paths.install(engine)
+    if compile_enabled(cfg):
+        engine.compile()  # lazy: the first forward of each new shape compiles (train_step says so)
+    return engine, scheduler
+
+
+def compile_enabled(cfg: PretrainConfig) -> bool:
+    return cfg.use_gpu if cfg.compile is None else cfg.compile
+
+
+def setup(spec: WorkerSpec) -> Worker:
+    import ray.train
+    import ray.train.torch
+
+    cfg = spec.pretrain
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.cpus_per_worker)
+    engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world)
     return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
                   RunLogger(spec.tracking, enabled=rank == 0))
 
@@ -149,8 +167,16 @@ def masking_spec(w: Worker, phase: PhaseConfig, training: bool = True) -> Maskin
                                   whole_word=cfg.whole_word_masking)
 
 
-def forward(w: Worker, batch: dict[str, torch.Tensor]):
-    b = {k: v.to(w.device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """Host batch → device. On a GPU through pinned memory, so the copy is asynchronous and queues behind the
+    running step instead of making the host wait for it."""
+    if getattr(device, "type", str(device)) == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def forward(w: Worker, b: dict[str, torch.Tensor]):
+    """The model on a batch already on the device (see to_device)."""
     return w.engine(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_positions"],
                     b["masked_lm_labels"], b["next_sentence_label"])
 
@@ -164,25 +190,28 @@ def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict
     spec = masking_spec(w, phase, training_masks)
     sums = dict.fromkeys(("mlm_correct", "mlm_count", "nsp_correct", "sequences", "mlm_loss"), 0.0)
     w.engine.eval()
+    totals = None
     with torch.no_grad():
         it = shard.iter_batches(batch_size=32, batch_format="numpy", drop_last=False, prefetch_batches=2)
         for i, raw in enumerate(it):
             if i >= w.spec.pretrain.eval_max_batches:
                 break
-            out = forward(w, collate(raw, spec, batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, i)))
-            for key, value in (("mlm_correct", out.mlm_correct.item()), ("mlm_count", out.mlm_count.item()),
-                               ("nsp_correct", out.nsp_correct.item()), ("sequences", len(raw["next_sentence_label"])),
-                               ("mlm_loss", out.mlm_loss.item() * out.mlm_count.item())):
-                sums[key] += value
+            out = forward(w, to_device(collate(raw, spec, batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, i)),
+                                       w.device))
+            figures = torch.stack([out.mlm_correct.float(), out.mlm_count.float(), out.nsp_correct.float(),
+                                   torch.tensor(float(len(raw["next_sentence_label"])), device=out.loss.device),
+                                   out.mlm_loss.detach().float() * out.mlm_count.float()]).double()
+            totals = figures if totals is None else totals + figures  # summed on the device, read once below
     w.engine.train()
-    s = dict(zip(sums, all_sum(list(sums.values()), w.device)))
+    s = dict(zip(sums, all_sum(totals.tolist() if totals is not None else list(sums.values()), w.device)))
     return {"eval_mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1),
             "eval_nsp_accuracy": s["nsp_correct"] / max(s["sequences"], 1),
             "eval_mlm_loss": s["mlm_loss"] / max(s["mlm_count"], 1), "eval_sequences": s["sequences"]}
 
 
 def train_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
-    """One micro-batch forward + backward + (at an accumulation boundary) optimizer step; returns the output."""
+    """One micro-batch (already on the device) forward + backward + (at an accumulation boundary) optimizer step;
+    returns the output."""
     torch.manual_seed(dropout_seed)
     out = forward(w, batch)
     w.engine.backward(out.loss)
@@ -191,8 +220,13 @@ def train_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
 
 
 def log_window(w: Worker, meter: Meter, step: int, seq_length: int) -> dict[str, float]:
+    """The window's figures, all-reduced, logged and kept for the curves; the window's only host reads."""
+    try:
+        figures = meter.summary(w.world)
+    except NonFiniteError as exc:
+        raise NonFiniteError(f"pretrain (seq {seq_length}): {exc}") from None
     grad_norm = w.engine.get_global_grad_norm()
-    metrics = {**meter.summary(w.device), "lr": w.scheduler.get_last_lr()[0],
+    metrics = {**figures, "lr": w.scheduler.get_last_lr()[0],
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "seq_length": seq_length}
     w.run.log_metrics(metrics, step)
     w.history.append({"step": step, **{k: metrics[k] for k in CURVE_KEYS}})
@@ -234,12 +268,14 @@ def after_step(w: Worker, meter: Meter, position: Position, phase_end: int, last
     return last
 
 
-def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last: dict) -> tuple[Position, dict]:
-    """Train from `position` until the epoch's data or the phase's steps run out."""
+def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last: dict,
+              batches=None) -> tuple[Position, dict]:
+    """Train from `position` until the epoch's data (`batches`: shard rows in micro-batches; default this
+    worker's share of the phase's dataset) or the phase's steps run out."""
     phase_index, epoch, skip = position.phase, position.epoch, position.batch
     spec = masking_spec(w, w.spec.pretrain.phases[phase_index])
     seen, index = 0, 0
-    it = epoch_batches(w, phase_index, epoch)
+    it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch)
     while position.step < phase_end:
         t_wait = time.perf_counter()
         raw = next(it, None)
@@ -249,21 +285,38 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
         if index < skip:  # consumed before the checkpoint we resumed from
             index += 1
             continue
-        batch = collate(raw, spec, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index))
-        wait = time.perf_counter() - t_wait
-        out = train_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
+        batch = to_device(collate(raw, spec, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index)), w.device)
+        wait = time.perf_counter() - t_wait  # host time only: nothing here waits for the device
+        out = timed_first_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
         index += 1
-        meter.add(out, batch, wait)
+        meter.add(out, batch["attention_mask"], wait)
         if w.engine.global_steps == position.step:
             continue  # inside a gradient accumulation
         position = Position(w.engine.global_steps, phase_index, epoch, index)
-        if w.rank == 0:
-            w.spec.progress.set(position.step, loss=out.loss.item(), seq_s=last.get("sequences_per_second", 0.0))
+        meter.end_step(position.step, w.engine.get_global_grad_norm())
+        if w.rank == 0:  # the last window's figures: reading this step's loss would wait for the device
+            w.spec.progress.set(position.step, loss=last.get("loss"), seq_s=last.get("sequences_per_second", 0.0))
         last = after_step(w, meter, position, phase_end, last)
     if seen == 0:
         raise ValueError(f"worker {w.rank} got no batch at seq {w.spec.pretrain.phases[phase_index].max_seq_length}:"
                          " too few training rows for num_workers × micro_batch_size")
     return position, last
+
+
+def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
+    """train_step; the first one of a compiled model also tells the console that it is compiling, and how long it
+    took (minutes for BERT-Large), instead of leaving a silent gap."""
+    if not compile_enabled(w.spec.pretrain) or getattr(w, "compiled", False):
+        return train_step(w, batch, dropout_seed)
+    if w.rank == 0:
+        w.spec.progress.set(0, status="compiling the model (torch.compile, first step)")
+        log.info("compiling the model (torch.compile): the first step takes longer")
+    started = time.perf_counter()
+    out = train_step(w, batch, dropout_seed)
+    w.compiled = True
+    if w.rank == 0:
+        w.spec.progress.set(0, status=f"model compiled in {time.perf_counter() - started:.0f} s")
+    return out
 
 
 def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tuple[Position, dict]:
@@ -280,7 +333,7 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     # DeepSpeed finds accumulation boundaries by micro_steps % accumulation steps; a phase (and a resume) always
     # starts on a boundary, so restart the count where the accumulation steps may change.
     w.engine.micro_steps = 0
-    meter = Meter()
+    meter = Meter(w.device)
     while position.step < phase_end:
         position, last = run_epoch(w, meter, position, phase_end, last)
         if position.step < phase_end:
@@ -293,8 +346,16 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     w = setup(spec)
     position = restore(w)
     resumed_from, last = position.step, {}
-    for phase_index in range(len(spec.pretrain.phases)):
-        position, last = run_phase(w, phase_index, position, last)
+    try:
+        for phase_index in range(len(spec.pretrain.phases)):
+            position, last = run_phase(w, phase_index, position, last)
+    except NonFiniteError as exc:
+        # Every rank read the same all-reduced health at the same window, so all stop here together. Reported,
+        # not raised: a retry from the last checkpoint would only meet the same NaN again.
+        import ray.train
+
+        ray.train.report({STOPPED: str(exc), "step": w.engine.global_steps})
+        return
     steps = spec.pretrain.phase_steps()
     final_phase = spec.pretrain.phases[-1] if steps[-1] else spec.pretrain.phases[0]
     # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.

@@ -1,10 +1,27 @@
-"""Running pre-training figures of one logging window, summed on each worker and all-reduced when logged."""
+"""Running pre-training figures of one logging window, kept on the device and read once per window.
+
+A host read of a device tensor (`.item()`, `float(t)`, `.tolist()`) waits for every kernel queued before it, so one
+per micro-batch keeps the CPU from running ahead of the GPU. The meter therefore adds each micro-batch's figures
+into a device tensor and the step's health (is the loss, is the global gradient norm finite?) into another; both
+cross the host boundary in `summary`, once per logging window, as one all-reduce and one read.
+"""
 from __future__ import annotations
 
 import time
 
 import torch
 import torch.distributed as dist
+
+# What a logging window sums on each worker, by name. On the device: the model's figures and the real-token count.
+DEVICE_SUMS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "tokens")
+# On the host (plain Python numbers, known without the device): padded slots and seconds spent waiting for data.
+HOST_SUMS = ("sequences", "micro_batches", "slots", "data_wait")
+NO_STEP = -1.0  # "no bad step yet" in the health vector
+NONE_SEEN = 2.0**62  # the same, as all-reduced with MIN over ranks
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the global gradient norm stopped being finite: training further would only spread NaNs."""
 
 
 def all_sum(values: list[float], device) -> list[float]:
@@ -13,34 +30,56 @@ def all_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-# What a logging window sums on each worker, by name.
-SUMS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "sequences", "micro_batches",
-        "tokens", "slots", "data_wait")  # tokens: real tokens; slots: real + padding; data_wait: seconds
-
-
 class Meter:
     """Running figures of one logging window on one worker."""
 
-    def __init__(self):
+    def __init__(self, device=None):
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.reset()
 
     def reset(self) -> None:
-        """Start a new logging window."""
-        self.sums = dict.fromkeys(SUMS, 0.0)
+        """Start a new logging window (the health record is kept: a bad step is reported, not forgotten)."""
+        self.sums = torch.zeros(len(DEVICE_SUMS), dtype=torch.float64, device=self.device)
+        self.host = dict.fromkeys(HOST_SUMS, 0.0)
+        self.step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if not hasattr(self, "first_bad"):
+            # First optimizer step whose loss / gradient norm was not finite, NO_STEP while none was.
+            self.first_bad = torch.full((2,), NO_STEP, dtype=torch.float64, device=self.device)
         self.started = time.perf_counter()
 
-    def add(self, out, batch: dict[str, torch.Tensor], wait: float) -> None:
-        for name in ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct"):
-            self.sums[name] += getattr(out, name).item()
-        self.sums["sequences"] += batch["input_ids"].shape[0]
-        self.sums["micro_batches"] += 1
-        self.sums["tokens"] += float(batch["attention_mask"].sum())
-        self.sums["slots"] += float(batch["attention_mask"].numel())
-        self.sums["data_wait"] += wait
+    def add(self, out, attention_mask: torch.Tensor, wait: float) -> None:
+        """One micro-batch: `out` the model's PreTrainingOutput, `attention_mask` the batch's mask on the device."""
+        figures = torch.stack([out.loss.detach().float(), out.mlm_loss.detach().float(),
+                               out.nsp_loss.detach().float(), out.mlm_correct.float(), out.mlm_count.float(),
+                               out.nsp_correct.float(), attention_mask.sum().float()])
+        self.sums += figures
+        self.step_loss += figures[0]
+        self.host["sequences"] += attention_mask.shape[0]
+        self.host["micro_batches"] += 1
+        self.host["slots"] += attention_mask.numel()
+        self.host["data_wait"] += wait
 
-    def summary(self, device) -> dict[str, float]:
-        """Window figures over all workers (a collective: every rank calls it at the same step)."""
-        s = dict(zip(SUMS, all_sum([self.sums[n] for n in SUMS], device)))
+    def end_step(self, step: int, grad_norm) -> None:
+        """At an optimizer step: remember it if its summed loss or the global gradient norm is not finite."""
+        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
+            float("nan") if grad_norm is None else float(grad_norm))
+        ok = torch.stack([torch.isfinite(self.step_loss), torch.isfinite(norm.to(self.device).float())])
+        self.first_bad = torch.where((self.first_bad == NO_STEP) & ~ok, float(step), self.first_bad)
+        self.step_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def summary(self, world_size: int | None = None) -> dict[str, float]:
+        """Window figures over all workers (collectives: every rank calls it at the same step). Raises
+        NonFiniteError if any rank saw a non-finite loss or gradient norm since the run started."""
+        world = world_size or dist.get_world_size()
+        host = torch.tensor([self.host[n] for n in HOST_SUMS], dtype=torch.float64, device=self.device)
+        totals = torch.cat([self.sums, host])
+        dist.all_reduce(totals)
+        # The earliest bad step over ranks; a rank with none offers NONE_SEEN, which every real step beats.
+        bad = torch.where(self.first_bad == NO_STEP, NONE_SEEN, self.first_bad)
+        dist.all_reduce(bad, op=dist.ReduceOp.MIN)
+        values = torch.cat([totals, bad]).tolist()  # the window's one host read
+        s = dict(zip(DEVICE_SUMS + HOST_SUMS, values))
+        check_finite(values[-2:])
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         micro = max(s["micro_batches"], 1.0)
         return {
@@ -48,6 +87,17 @@ class Meter:
             "mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1),
             "nsp_accuracy": s["nsp_correct"] / max(s["sequences"], 1),
             "sequences_per_second": s["sequences"] / elapsed, "tokens_per_second": s["tokens"] / elapsed,
-            "data_wait_fraction": s["data_wait"] / dist.get_world_size() / elapsed,
+            "data_wait_fraction": s["data_wait"] / world / elapsed,
             "padding_fraction": 1.0 - s["tokens"] / max(s["slots"], 1.0),
         }
+
+
+def check_finite(bad: list[float]) -> None:
+    """`bad` = [first step with a non-finite loss, first step with a non-finite gradient norm] (NONE_SEEN = none)."""
+    found = [(int(v), what) for v, what in zip(bad, ("loss", "global gradient norm")) if v < NONE_SEEN]
+    if found:
+        step = min(v for v, _ in found)
+        what = " and the ".join(w for v, w in found if v == step)
+        verb = "were" if " and " in what else "was"
+        raise NonFiniteError(f"the {what} {verb} not finite at optimizer step {step}: stopping (lower "
+                             "pretrain.phases[*].learning_rate, raise warmup_steps or check the shards)")

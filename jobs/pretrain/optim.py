@@ -84,72 +84,130 @@ class Lamb(torch.optim.Optimizer):
         """How many of the tensors it steps have a layout (0 when they are the model's own parameters)."""
         return sum(any(t is p for t, _ in self._layouts) for g in self.param_groups for p in g["params"])
 
-    def _adam_update(self, group: dict, p: torch.Tensor) -> torch.Tensor:
-        """Moments, bias correction and decoupled weight decay: the update before the trust ratio."""
+    def _adam_updates(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Moments, bias correction and decoupled weight decay for all of a group's tensors at once (foreach
+        kernels, no loop over tensors): the updates before the trust ratio."""
         beta1, beta2 = group["betas"]
-        grad = p.grad.float()
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        state["step"] += 1
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        m_hat = m / (1 - beta1 ** state["step"])
-        v_hat = v / (1 - beta2 ** state["step"])
-        update = m_hat / (v_hat.sqrt() + group["eps"])
+        grads = [p.grad.float() for p in params]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+        ms = [self.state[p]["exp_avg"] for p in params]
+        vs = [self.state[p]["exp_avg_sq"] for p in params]
+        torch._foreach_mul_(ms, beta1)
+        torch._foreach_add_(ms, grads, alpha=1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, grads, grads, value=1 - beta2)
+        steps = [self.state[p]["step"] for p in params]
+        m_hat = torch._foreach_div(ms, [1 - beta1 ** s for s in steps])
+        denom = torch._foreach_sqrt(torch._foreach_div(vs, [1 - beta2 ** s for s in steps]))
+        torch._foreach_add_(denom, group["eps"])
+        updates = torch._foreach_div(m_hat, denom)
         if group["weight_decay"] != 0:
-            update.add_(p.float(), alpha=group["weight_decay"])
-        return update
+            torch._foreach_add_(updates, [p.float() for p in params], alpha=group["weight_decay"])
+        return updates
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         pending = []  # split parameters: their ratios need the other ranks' partial norms
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                update = self._adam_update(group, p)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            updates = self._adam_updates(group, params)
+            lr = group["lr"]
+            if group["weight_decay"] == 0:  # no decay, no trust ratio (NVIDIA: use_nvlamb=False)
+                torch._foreach_add_(params, [(u * -lr).to(p.dtype) for p, u in zip(params, updates)])
+                continue
+            whole = [(p, u) for p, u in zip(params, updates) if self.layout_of(p) is None]
+            if whole:  # every tensor one parameter: one norm pair each, in two foreach calls
+                ps, us = [p for p, _ in whole], [u for _, u in whole]
+                w_norms = torch._foreach_norm([p.float() for p in ps])
+                u_norms = torch._foreach_norm(us)
+                ratios = _ratios(torch.stack([torch.stack(w_norms), torch.stack(u_norms)], 1).square())
+                torch._foreach_mul_(us, list((ratios * -lr).unbind()))
+                torch._foreach_add_(ps, [u.to(p.dtype) for p, u in zip(ps, us)])
+            for p, update in zip(params, updates):
                 layout = self.layout_of(p)
-                if group["weight_decay"] == 0:  # no decay, no trust ratio (NVIDIA: use_nvlamb=False)
-                    p.add_((update * -group["lr"]).to(p.dtype))
-                elif layout is None:
-                    sums = torch.stack([p.float().square().sum(), update.square().sum()]).unsqueeze(0)
-                    _apply(p, update, layout, _ratios(sums), group["lr"])
-                elif layout.process_group is None:
-                    _apply(p, update, layout, _ratios(_segment_sums(p, update, layout)), group["lr"])
+                if layout is None:
+                    continue
+                if layout.process_group is None:
+                    _apply(p, update, self._pieces(p, layout), _ratios(_segment_sums(p, update,
+                                                                                    self._pieces(p, layout))), lr)
                 else:
                     pending.append((group, p, update, layout))
         if pending:
             self._step_split(pending)
         return loss
 
+    def _pieces(self, p: torch.Tensor, layout: FlatLayout) -> "Pieces":
+        """The layout as device index tensors, built on a tensor's first step and kept (the layout is fixed)."""
+        key = (id(p), p.device)
+        cached = getattr(self, "_piece_cache", {}).get(key)
+        if cached is None or cached.layout is not layout:
+            cached = Pieces.of(layout, p.numel(), p.device)
+            self._piece_cache = {**getattr(self, "_piece_cache", {}), key: cached}
+        return cached
+
     def _step_split(self, pending: list) -> None:
         """One all-reduce of every split parameter's partial squared norms, then each segment's own ratio."""
         groups = {id(lay.process_group): lay.process_group for *_, lay in pending}
         if len(groups) != 1:
             raise RuntimeError(f"Lamb step over {len(groups)} process groups; expected one data-parallel group")
-        sums = torch.cat([_segment_sums(p, update, lay) for _, p, update, lay in pending])
+        sums = torch.cat([_segment_sums(p, update, self._pieces(p, lay)) for _, p, update, lay in pending])
         dist.all_reduce(sums, group=next(iter(groups.values())))
         ratios = _ratios(sums)
         offset = 0
         for group, p, update, lay in pending:
-            _apply(p, update, lay, ratios[offset: offset + lay.num_params], group["lr"])
+            _apply(p, update, self._pieces(p, lay), ratios[offset: offset + lay.num_params], group["lr"])
             offset += lay.num_params
 
 
-def _segment_sums(p: torch.Tensor, update: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+@dataclass(frozen=True)
+class Pieces:
+    """A flat tensor cut into consecutive pieces that cover it: every layout segment is a piece, and so is every gap
+    between segments (DeepSpeed's alignment padding). `lengths` [n_pieces]; `held` the indices of the pieces that
+    are segments and `owner` the parameter each of those belongs to: all on the tensor's device, so a step sums and
+    scales every segment with a few batched kernels (segment_reduce, index_add, repeat_interleave) and no loop."""
+
+    layout: FlatLayout
+    lengths: torch.Tensor
+    held: torch.Tensor
+    owner: torch.Tensor
+    numel: int
+
+    @classmethod
+    def of(cls, layout: FlatLayout, numel: int, device) -> "Pieces":
+        lengths, held, owner, at = [], [], [], 0
+        for j, start, end in sorted(layout.segments, key=lambda seg: seg[1]):
+            if start > at:
+                lengths.append(start - at)
+            held.append(len(lengths))
+            owner.append(j)
+            lengths.append(end - start)
+            at = end
+        if at < numel:
+            lengths.append(numel - at)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(layout, as_tensor(lengths), as_tensor(held), as_tensor(owner), numel)
+
+
+def _segment_sums(p: torch.Tensor, update: torch.Tensor, pieces: Pieces) -> torch.Tensor:
     """[num_params, 2]: Σw² and Σupdate² of each parameter over the segments this tensor holds."""
-    sums = torch.zeros(layout.num_params, 2, dtype=torch.float32, device=p.device)
-    if not layout.segments:
+    sums = torch.zeros(pieces.layout.num_params, 2, dtype=torch.float32, device=p.device)
+    if not pieces.layout.segments:
         return sums
-    weight = p.float()
-    parts = [torch.stack([weight[s:e].square().sum(), update[s:e].square().sum()]) for _, s, e in layout.segments]
-    index = torch.tensor([j for j, _, _ in layout.segments], device=p.device)
-    return sums.index_add_(0, index, torch.stack(parts))
+    per_piece = torch.stack([torch.segment_reduce(p.float().square(), "sum", lengths=pieces.lengths),
+                             torch.segment_reduce(update.square(), "sum", lengths=pieces.lengths)], 1)
+    return sums.index_add_(0, pieces.owner, per_piece.index_select(0, pieces.held))
 
 
 def _ratios(sums: torch.Tensor) -> torch.Tensor:
@@ -158,13 +216,14 @@ def _ratios(sums: torch.Tensor) -> torch.Tensor:
     return torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
 
 
-def _apply(p: torch.Tensor, update: torch.Tensor, layout: FlatLayout | None, ratios: torch.Tensor,
-           lr: float) -> None:
-    if layout is None:
-        p.add_((update * ratios[0] * -lr).to(p.dtype))
+def _apply(p: torch.Tensor, update: torch.Tensor, pieces: Pieces, ratios: torch.Tensor, lr: float) -> None:
+    """p += -lr × ratio(owner) × update on every segment; gap pieces get factor 0 (left alone)."""
+    if not pieces.layout.segments:
         return
-    for j, s, e in layout.segments:
-        p[s:e].add_((update[s:e] * ratios[j] * -lr).to(p.dtype))
+    factor = torch.zeros(len(pieces.lengths), dtype=torch.float32, device=p.device)
+    factor.index_copy_(0, pieces.held, ratios.index_select(0, pieces.owner) * -lr)
+    scale = torch.repeat_interleave(factor, pieces.lengths, output_size=pieces.numel)
+    p.add_((update * scale).to(p.dtype))
 
 
 def make_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:

@@ -21,9 +21,10 @@ import pyarrow.parquet as pq
 
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint
-from bertpipe.jobs.pretrain.config import PretrainConfig, validate
+from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning, validate
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
-from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
+from bertpipe.jobs.pretrain.loop import STOPPED, WorkerSpec, train_loop_per_worker
+from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.progress import remote_progress
@@ -122,7 +123,7 @@ def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dic
 
 
 def _describe(fields: dict) -> str:
-    parts = [f"loss {fields['loss']:.3f}" if "loss" in fields else "",
+    parts = [f"loss {fields['loss']:.3f}" if fields.get("loss") is not None else "",
              f"{fields['seq_s']:.1f} seq/s" if fields.get("seq_s") else ""]
     return " · ".join(p for p in parts if p)
 
@@ -204,6 +205,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     cfg: PretrainConfig = ctx.config["pretrain"]
     validate(cfg)
     check_resources(cfg, ray.cluster_resources())
+    if layout_warning(cfg):
+        log.warning("%s", layout_warning(cfg))
     storage_path = cfg.storage_path or ctx.paths.ray_results
     spec = worker_spec(ctx, cfg, storage_path, run_name(ctx, cfg))
     # The vocabulary's identity from the bytes the workers get (pipeline.vocab.vocab_hash, without a second read).
@@ -219,6 +222,8 @@ def run_stage(ctx: StageContext) -> StageResult:
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     with remote_progress("pretrain", cfg.max_steps, "steps", _describe) as progress:
         result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
+    if (result.metrics or {}).get(STOPPED):
+        raise NonFiniteError(str(result.metrics[STOPPED]))
     metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
     base, learning_files = write_learning(ctx, cfg, spec.vocab_tokens, (result.metrics or {}).get("history", []), run)
     metrics.update(base)
