@@ -6,13 +6,17 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from bertpipe.jobs.configtools import ConfigError
+from bertpipe.pipeline import redact
 from bertpipe.pipeline.paths import WorkdirPaths
 from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.workdir_lock import WorkdirBusy
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -51,12 +55,23 @@ def _resume_command(args, stage: str) -> str:
 
 def cmd_run(args) -> int:
     from bertpipe.jobs import console, workflow
-    from bertpipe.jobs.config import resolved_tracking_uri
-    from bertpipe.pipeline import progress
+    from bertpipe.pipeline import workdir_lock
 
     cfg = _config(args)
     only = [s for part in (args.only or []) for s in part.split(",") if s]
     selected = workflow.select(only or None, args.start)
+    # One run per workdir, from before the first byte is written (the log file) until the process ends: a second
+    # run stops here with one line naming the holder. Preflight runs under the lock too, so the manifests it
+    # reads are not being rewritten while it reads them.
+    with workdir_lock.hold(cfg.workdir, note=lambda line: console.error(f"note: {line}")):
+        return _run_locked(args, cfg, only, selected)
+
+
+def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
+    from bertpipe.jobs import console, workflow
+    from bertpipe.jobs.config import resolved_tracking_uri
+    from bertpipe.pipeline import progress
+
     plans = workflow.preflight(cfg, selected)  # bad input: one line, nothing written
     log_path = _log_file(cfg.workdir)
     config_name = Path(args.config).stem
@@ -84,7 +99,8 @@ def cmd_run(args) -> int:
 def cmd_status(args) -> int:
     from bertpipe.jobs import workflow
 
-    rows = workflow.status(_config(args))
+    rows = workflow.status(_config(args), verify=args.verify)
+    rows = redact.mask_data(rows)  # an s3://KEY:SECRET@bucket workdir is shown masked
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -120,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show Ray's, Ray Data's and the workers' own output too")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("status", help="state of every stage: fresh / stale / missing")
+    p = sub.add_parser("status", help="state of every stage: fresh / stale / broken / missing")
     _add_config_args(p)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--verify", action="store_true",
+                   help="also compare every committed file's sha256 with its manifest (reads every output)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("fetch-sample", help="fetch the real Wikipedia sample dumps (gensim 4.4.0 wheel, via pip)")
@@ -138,13 +156,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Credentials in URIs or NAME=value pairs are masked in every log record and in a traceback Python prints.
+    redact.install_log_masking()
+    redact.install_excepthook()
+    _exit_cleanly_on(signal.SIGTERM, signal.SIGHUP)
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     try:
         return args.func(args)
-    except (ConfigError, StageInputError, ValueError) as exc:
-        print(f"bertpipe: error: {_first_line(exc)}", file=sys.stderr)
+    except (ConfigError, StageInputError, ValueError, WorkdirBusy) as exc:
+        print(f"bertpipe: error: {redact.mask(_first_line(exc))}", file=sys.stderr)
         return 2
+
+
+def _exit_cleanly_on(*signals: int) -> None:
+    """SIGTERM (and a closed terminal's SIGHUP) end the process through SystemExit instead of on the spot, so every
+    `finally` runs: the workdir lock is released and the stage's MLflow run is closed. Exit status 128 + signal, as
+    a shell reports a process killed by it. (A local Ray replaces the SIGTERM handler with its own, which also
+    exits through SystemExit.)"""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        return  # main() called from a thread (an embedding program): signals are its owner's business
+    for sig in signals:
+        if signal.getsignal(sig) == signal.SIG_DFL:  # an ignored one stays ignored (`nohup bertpipe run` ignores HUP)
+            signal.signal(sig, handler)
 
 
 def _configure_logging(verbose: bool) -> None:

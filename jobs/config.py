@@ -15,7 +15,7 @@ from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.ner.config import NerConfig
 from bertpipe.jobs.squad.config import SquadConfig
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, validate
-from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, path_field
+from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, at_least, path_field, within
 from bertpipe.pipeline.paths import WorkdirPaths
 
 
@@ -28,6 +28,9 @@ class RayConfig:
     num_cpus: int = 4
     # The local Ray's dashboard, on 127.0.0.1 (its URL is printed): jobs, Ray Data and Ray Train pages.
     dashboard: bool = True
+
+    def __post_init__(self) -> None:
+        at_least("ray", self, 1, "num_cpus")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +59,12 @@ class RootConfig:
     squad: SquadConfig = field(default_factory=SquadConfig)
     ner: NerConfig = field(default_factory=NerConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
+
+    def __post_init__(self) -> None:
+        if not self.workdir:
+            raise ValueError("workdir must name a folder or URI")
+        # numpy's generators (fine-tuning, masking) take seeds in [0, 2**32); one range for every consumer.
+        within("", self, "seed", 0, 2**32, high_open=True)
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"

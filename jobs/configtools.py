@@ -6,6 +6,7 @@ import difflib
 import hashlib
 import os
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -66,14 +67,18 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return int(value)
         raise ConfigError(f"{where}: expected an integer, got {value!r}")
     if annotation is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)  # YAML reads "1e-4" as a string
+                number = float(value)  # YAML reads "1e-4" as a string
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        # nan passes every `x < low` check and inf is no rate, size or probability: refused for every field at once.
+        if number is None or not math.isfinite(number):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

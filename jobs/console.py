@@ -7,10 +7,13 @@ import logging
 import sys
 from typing import Any
 
+from bertpipe.pipeline.redact import mask
+
 log = logging.getLogger("bertpipe")
 
 
 def say(text: str = "") -> None:
+    text = mask(text)  # every console line passes here: a tracking URI's password never reaches the terminal
     print(text, flush=True)
     log.debug("console: %s", text)
 
@@ -57,4 +60,4 @@ def glue_table(markdown: str) -> None:
 
 
 def error(text: str) -> None:
-    print(f"bertpipe: {text}", file=sys.stderr, flush=True)
+    print(f"bertpipe: {mask(text)}", file=sys.stderr, flush=True)

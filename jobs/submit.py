@@ -3,6 +3,10 @@
 Authentication is Ray's token auth: with RAY_AUTH_MODE=token the Jobs client sends the token from
 RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. The job inherits MLFLOW_TRACKING_URI so the
 driver on the cluster logs where the submitter looks.
+
+No secret travels with a job: a job's runtime_env is readable by anyone who can reach the Jobs API and is
+written into the job's logs, so `--env` refuses secret-looking names and values with credentials, and the
+forwarded tracking URI loses its user:password@ part. The cluster gives jobs their secrets (README, "Secrets").
 """
 from __future__ import annotations
 
@@ -12,9 +16,45 @@ import shlex
 import sys
 import time
 
+from bertpipe.pipeline.redact import has_credentials, is_secret_name, mask, strip_userinfo
+
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION")
+FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION")
+SECRETS_HOWTO = ("give it from the cluster instead: a Kubernetes Secret in the Ray pods' env (secretKeyRef), or the "
+                 "Ray head's own environment, which every job inherits (README: Secrets for a submitted job)")
+
+
+class SecretInEnv(ValueError):
+    """A secret would be stored in the job's runtime_env: a user error with a one-line fix."""
+
+
+def job_env(environ: dict[str, str], items: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The job's env vars (what the submitter forwards + `--env KEY=VALUE`) and notes on what was held back.
+    SecretInEnv for an `--env` whose name looks like a secret or whose value carries credentials."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    notes = []
+    for key in FORWARDED_ENV:
+        value = environ.get(key)
+        if value and has_credentials(value):
+            value = strip_userinfo(value)
+            notes.append(f"{key} is forwarded without its credentials ({mask(environ[key])} -> {value}); the "
+                         "job's driver authenticates with MLFLOW_TRACKING_USERNAME/PASSWORD from the cluster")
+        if value:
+            env[key] = value
+    held = [k for k in environ if k.startswith("MLFLOW_TRACKING_") and is_secret_name(k)]
+    if held:
+        notes.append(f"{', '.join(sorted(held))} not forwarded to the job (a job's env is readable through the Jobs "
+                     "API); " + SECRETS_HOWTO)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--env {item!r}: expected KEY=VALUE")
+        if is_secret_name(key) or has_credentials(value):
+            raise SecretInEnv(f"--env {key}: refused, a secret passed this way is stored in the job's runtime_env, "
+                              f"readable through the Jobs API and written to the job's logs; {SECRETS_HOWTO}")
+        env[key] = value
+    return env, notes
 
 
 def _address(args) -> str:
@@ -50,17 +90,18 @@ def _entrypoint(argv: list[str]) -> str:
         raise ValueError("nothing to submit: give a bertpipe subcommand after --, e.g. `bertpipe submit -- run`")
     if argv[0] == "submit":
         raise ValueError("a submitted job cannot submit again")
-    return "bertpipe " + shlex.join(argv)
+    entrypoint = "bertpipe " + shlex.join(argv)
+    if has_credentials(entrypoint):  # the entrypoint is stored with the job, as readable as its runtime_env
+        raise SecretInEnv(f"the command {mask(entrypoint)!r} carries a credential; {SECRETS_HOWTO}")
+    return entrypoint
 
 
 def cmd_submit(args) -> int:
     address = _address(args)
     entrypoint = _entrypoint(args.argv)
-    env = {"TOKENIZERS_PARALLELISM": "false"}
-    env.update({k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)})
-    for item in args.env:
-        key, _, value = item.partition("=")
-        env[key] = value
+    env, notes = job_env(dict(os.environ), args.env)  # refuses a secret before anything reaches the cluster
+    for note in notes:
+        print(f"bertpipe: note: {note}", file=sys.stderr)
     runtime_env: dict = {"env_vars": env}
     if args.working_dir:
         runtime_env["working_dir"] = args.working_dir
@@ -68,7 +109,7 @@ def cmd_submit(args) -> int:
     submitted = time.time()
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.job_id or None)
     print(f"job:       {job_id}")
-    print(f"entry:     {entrypoint}")
+    print(f"entry:     {mask(entrypoint)}")
     print(f"dashboard: {address.rstrip('/')}/#/jobs/{job_id}")
     print(f"mlflow:    {env.get('MLFLOW_TRACKING_URI', '(the config default: a SQLite store under the workdir)')}")
     sys.stdout.flush()
@@ -109,7 +150,7 @@ def cmd_jobs(args) -> int:
         print(f"{args.job}: {'stop requested' if stopped else 'already finished'}")
     elif args.action == "list":
         for job in client.list_jobs():
-            print(f"{job.submission_id or job.job_id}  {str(job.status).split('.')[-1]:<9}  {job.entrypoint}")
+            print(f"{job.submission_id or job.job_id}  {str(job.status).split('.')[-1]:<9}  {mask(job.entrypoint)}")
     return 0
 
 

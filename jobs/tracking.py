@@ -18,6 +18,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
 from bertpipe.jobs.configtools import to_dict
+from bertpipe.pipeline.redact import mask, mask_data
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for one param value
 PARAM_BATCH, METRIC_BATCH = 100, 1000  # MLflow's log_batch limits
@@ -59,7 +60,7 @@ class RunLogger:
         if not self.active:
             return RunLogger(None)
         run = self.client.create_run(self.coordinates["experiment_id"], run_name=run_name,
-                                     tags={"mlflow.parentRunId": self.run_id, **tags})
+                                     tags={"mlflow.parentRunId": self.run_id, **mask_data(tags)})
         return RunLogger({**self.coordinates, "run_id": run.info.run_id, "parent_run_id": self.run_id})
 
     def log_params(self, params: dict[str, Any], skip_logged: bool = False) -> None:
@@ -67,7 +68,7 @@ class RunLogger:
             return
         from mlflow.entities import Param
 
-        flat = flatten(to_dict(params))
+        flat = mask_data(flatten(to_dict(params)))  # a tracking URI or input URI with a password: masked
         if skip_logged:  # MLflow refuses to change a logged param; the workflow may have logged some already
             logged = self.client.get_run(self.run_id).data.params
             flat = {k: v for k, v in flat.items() if k not in logged}
@@ -91,7 +92,7 @@ class RunLogger:
         return set(self.client.get_run(self.run_id).data.metrics) if self.active else set()
 
     def log_dict(self, data: Any, name: str) -> None:
-        self.log_bytes(json.dumps(to_dict(data), indent=2, sort_keys=True).encode(), name)
+        self.log_bytes(json.dumps(mask_data(to_dict(data)), indent=2, sort_keys=True).encode(), name)
 
     def log_bytes(self, blob: bytes, name: str, artifact_path: str | None = None) -> None:
         if not self.active:
@@ -155,7 +156,7 @@ class RunLogger:
     def fail(self, exc: BaseException, traceback_text: str) -> None:
         """Mark the run FAILED with the error as a tag and the traceback as an artifact."""
         self.set_tag("bertpipe.error", f"{type(exc).__name__}: {exc}"[:5000])
-        self.log_bytes(traceback_text.encode(), "traceback.txt")
+        self.log_bytes(mask(traceback_text).encode(), "traceback.txt")
         self.end(False)
 
     def set_tags(self, tags: dict[str, str]) -> None:
@@ -164,7 +165,7 @@ class RunLogger:
 
     def set_tag(self, key: str, value: str) -> None:
         if self.active:
-            self.client.set_tag(self.run_id, key, value)
+            self.client.set_tag(self.run_id, key, mask(str(value)))
 
     def end(self, ok: bool) -> None:
         if self.active:
@@ -186,7 +187,7 @@ def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config
         experiment_id = client.create_experiment(experiment, artifact_location=location)
     else:
         experiment_id = exp.experiment_id
-    run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **tags})
+    run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **mask_data(tags)})
     parent = RunLogger({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run.info.run_id})
     parent.log_params(config)
     parent.log_dict(config, "resolved_config.json")

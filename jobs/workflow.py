@@ -23,12 +23,13 @@ from typing import Any, Callable
 from bertpipe.jobs import console
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.pipeline import storage
+from bertpipe.pipeline import outputs, storage
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.identity import describe_tree
 from bertpipe.pipeline.paths import WorkdirPaths
-from bertpipe.pipeline.stage import (SCHEMA_VERSION, StageContext, StageInput, StageInputError, missing_outputs,
-                            read_manifest, write_manifest)
+from bertpipe.pipeline.redact import mask_data
+from bertpipe.pipeline.stage import (CONFIG_NAME, SCHEMA_VERSION, StageContext, StageInput, StageInputError,
+                                     manifest_state, read_manifest, write_manifest)
 
 log = logging.getLogger("bertpipe")
 
@@ -50,11 +51,13 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("clean", ("clean",), (), "bertpipe.pipeline.clean:run_stage", "bertpipe.pipeline.clean:describe_raw_inputs"),
-    Stage("vocab", ("vocab",), ("clean",), "bertpipe.pipeline.vocab:run_stage", "bertpipe.pipeline.vocab:describe_raw_inputs",
-          explicit=(("clean", "vocab.input"),)),
+    Stage("clean", ("clean",), (), "bertpipe.pipeline.clean:run_stage", "bertpipe.pipeline.clean:describe_raw_inputs",
+          check="bertpipe.pipeline.clean:preflight"),
+    Stage("vocab", ("vocab",), ("clean",), "bertpipe.pipeline.vocab:run_stage",
+          "bertpipe.pipeline.vocab:describe_raw_inputs", explicit=(("clean", "vocab.input"),),
+          check="bertpipe.pipeline.vocab:preflight"),
     Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.pairs:run_stage",
-          explicit=(("clean", "pairs.input"), ("vocab", "vocab.path"))),
+          explicit=(("clean", "pairs.input"), ("vocab", "vocab.path")), check="bertpipe.pipeline.vocab:preflight"),
     Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
           explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")), check="bertpipe.jobs.pretrain.stage:preflight",
           training=True),
@@ -170,14 +173,18 @@ def select(only: list[str] | None, start: str | None) -> list[str]:
     return [s.name for s in STAGES if not s.opt_in]
 
 
-def committed(cfg: RootConfig) -> dict[str, tuple[dict | None, list[str]]]:
-    """{stage: (manifest or None, outputs the manifest lists that are gone)} for every stage."""
-    out = {}
-    for stage in STAGES:
-        uri = stage_uri(cfg, stage.name)
-        manifest = read_manifest(uri)
-        out[stage.name] = (manifest, missing_outputs(uri, manifest) if manifest else [])
-    return out
+def folder_state(uri: str, checksums: bool = False) -> tuple[dict | None, list[str]]:
+    """(valid manifest or None, what makes the folder broken: an invalid manifest, a file missing, resized, changed
+    or not in the manifest). (None, []) = never committed; (manifest, []) = committed and intact."""
+    manifest, problem = manifest_state(uri)
+    if problem:
+        return None, [problem]
+    return manifest, outputs.check(uri, manifest, checksums=checksums) if manifest else []
+
+
+def committed(cfg: RootConfig, checksums: bool = False) -> dict[str, tuple[dict | None, list[str]]]:
+    """{stage: folder_state} for every stage."""
+    return {stage.name: folder_state(stage_uri(cfg, stage.name), checksums) for stage in STAGES}
 
 
 @dataclass
@@ -206,7 +213,7 @@ def _plan(cfg: RootConfig, stage: Stage, state: dict[str, tuple[dict | None, lis
             continue
         manifest, gone = state[up]
         if up not in will_run and (manifest is None or gone):
-            why = (f"its committed output is broken ({', '.join(gone[:3])} missing)" if manifest else
+            why = (f"its committed output is broken: {'; '.join(gone[:3])}" if gone else
                    f"no {up}/_MANIFEST.json under {cfg.workdir}")
             hint = f" or set {dict(stage.explicit)[up]}" if up in dict(stage.explicit) else ""
             raise StageInputError(f"stage {stage.name} needs the committed output of {up} ({why}); "
@@ -222,16 +229,29 @@ def preflight(cfg: RootConfig, selected: list[str]) -> dict[str, Plan]:
 
         # The local Ray this run will start has ray.num_cpus CPUs: refuse a layout that would hang on it now.
         check_resources(cfg.pretrain, {"CPU": cfg.ray.num_cpus, "GPU": cfg.pretrain.num_workers})
+    if {"pairs", "pretrain"} <= set(selected) and not cfg.pretrain.input:
+        _check_phase_lengths(cfg)
     state = committed(cfg)
     plans: dict[str, Plan] = {}
     for stage in STAGES:
         if stage.name not in selected:
             continue
         plan = _plan(cfg, stage, state, set(plans))
+        outputs.refuse_foreign(stage_uri(cfg, stage.name), stage.name)  # a rerun would have to delete it
         if stage.check:
             _load(stage.check)(_context(cfg, stage, plan.inputs))
         plans[stage.name] = plan
     return plans
+
+
+def _check_phase_lengths(cfg: RootConfig) -> None:
+    """Pre-training reads one shard set per phase: pairs must write every length a phase with steps trains at,
+    or the run would fail only after clean, vocab and pairs ran."""
+    wanted = [ph.max_seq_length for ph, steps in zip(cfg.pretrain.phases, cfg.pretrain.phase_steps()) if steps]
+    lacking = [n for n in wanted if n not in cfg.pairs.max_seq_lengths]
+    if lacking:
+        raise StageInputError(f"pretrain.phases train at max_seq_length {lacking} but pairs.max_seq_lengths is "
+                              f"{list(cfg.pairs.max_seq_lengths)}: add the length to pairs, or change the phases")
 
 
 def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: RunLogger | None = None,
@@ -245,25 +265,26 @@ def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: 
         inputs=inputs, log_metrics=run.log_metrics, tracking=tracking, paths=paths)
 
 
-def status(cfg: RootConfig) -> list[dict[str, Any]]:
-    """Every stage with its state: fresh (committed, matches), stale (committed, would rerun), broken (committed,
-    but outputs it lists are gone: reruns), missing. Opt-in stages (squad, ner, features) only once they have a
+def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
+    """Every stage with its state: fresh (committed, matches), stale (committed, would rerun), broken (its
+    manifest is invalid, or a file it lists is gone or resized, or one it does not list is there; with `verify`,
+    or a file's checksum changed: reruns), missing. Opt-in stages (squad, ner, features) only once they have a
     manifest: a workflow that never ran them is not missing anything."""
-    state = committed(cfg)
+    state = committed(cfg, checksums=verify)
     rows, states = [], {}
     for stage in STAGES:
         manifest, gone = state[stage.name]
-        if stage.opt_in and manifest is None:
+        if stage.opt_in and manifest is None and not gone:
             continue
         try:
             plan = _plan(cfg, stage, state, set())
             expected, problem = plan.fingerprint(cfg), ""
         except (StageInputError, ValueError, OSError) as exc:
             expected, problem = "", str(exc)
-        if manifest is None:
+        if gone:
+            st, problem = "broken", "; ".join(gone[:5]) + (f"; {len(gone) - 5} more" if len(gone) > 5 else "")
+        elif manifest is None:
             st = "missing"
-        elif gone:
-            st, problem = "broken", f"missing outputs: {', '.join(gone[:5])}"
         elif manifest.get("fingerprint") != expected or any(
                 states.get(n, "fresh") != "fresh" for n in needed_inputs(cfg, stage)
                 if n not in explicit_inputs(cfg, stage)):
@@ -339,8 +360,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
     run = parent.child(stage.name, {"bertpipe.kind": "stage", "bertpipe.stage": stage.name, **code})
     run.log_params({**stage_config(cfg, stage), "seed": cfg.seed})
     uri = stage_uri(cfg, stage.name)
-    current = read_manifest(uri)
-    gone = missing_outputs(uri, current) if current else []
+    current, gone = folder_state(uri)
     if current is not None and current.get("fingerprint") == fp and not force and not gone:
         console.stage(*position, stage.name, f"fresh (fingerprint {fp[:12]}), skipped")
         run.set_tag("bertpipe.skipped", "fresh")
@@ -348,8 +368,8 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
         run.log_dict(current, "_MANIFEST.json")
         run.end(True)
         return {"stage": stage.name, "action": "skipped", "rows": current.get("num_rows")}
-    console.stage(*position, stage.name, "running" if current is None else "rerunning (" + (
-        "--force" if force else "broken: outputs missing" if gone else "stale: config or inputs changed") + ")")
+    console.stage(*position, stage.name, "running" if current is None and not gone else "rerunning (" + (
+        "--force" if force else f"broken: {gone[0]}" if gone else "stale: config or inputs changed") + ")")
     monitor = run.system_metrics() if stage.training else None
     try:
         manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code))
@@ -371,21 +391,28 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     stage = plan.stage
     uri = stage_uri(cfg, stage.name)
     started = time.time()
-    # Emptying the folder removes the old manifest first: from here until the new one is written the folder
-    # reads as incomplete, so a crash can never leave a committed half-output.
-    storage.reset_dir(uri)
-    ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
-    ctx = _context(cfg, stage, plan.inputs, run, registered)
-    result = _load(stage.run)(ctx)
-    explicit = [r for ids in plan.explicit_ids.values() for r in ids]
-    result.raw_inputs = (result.raw_inputs or plan.raw) + explicit
-    config = {k: to_dict(v) for k, v in ctx.config.items()}
-    storage.write_text_atomic(storage.join(uri, "_CONFIG.json"), _json({"seed": cfg.seed, **config}))
-    manifest = write_manifest(
-        uri, stage=stage.name, fingerprint=fp, result=result, config=config,
-        inputs={n: (i.manifest["output_id"] if i.manifest else i.uri) for n, i in plan.inputs.items()},
-        started=started, code_version=version,
-    )
+    # Uncommits the folder (its manifest goes first, so a crash never leaves a committed half-output) and deletes
+    # only what earlier runs of this stage wrote; anything else there stops the run, nothing deleted.
+    run_id = outputs.claim(uri, stage.name)
+    try:
+        ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
+        ctx = _context(cfg, stage, plan.inputs, run, registered)
+        result = _load(stage.run)(ctx)
+        explicit = [r for ids in plan.explicit_ids.values() for r in ids]
+        result.raw_inputs = (result.raw_inputs or plan.raw) + explicit
+        # The recorded config (here and in the manifest) is for people to read: no password in an input URI.
+        config = mask_data({k: to_dict(v) for k, v in ctx.config.items()})
+        outputs.remove_temps(uri)
+        storage.write_text_atomic(storage.join(uri, CONFIG_NAME), _json({"seed": cfg.seed, **config}))
+        manifest = write_manifest(
+            uri, stage=stage.name, fingerprint=fp, result=result, config=config,
+            inputs={n: (i.manifest["output_id"] if i.manifest else i.uri) for n, i in plan.inputs.items()},
+            started=started, code_version=version,
+        )
+    except BaseException:
+        outputs.record_failure(uri, run_id)  # so the next run may delete what this one left
+        raise
+    outputs.release(uri)
     # Only the final figures the stage did not log into its run itself (no duplicate MLflow points).
     logged = run.logged_metric_names()
     final = {**result.metrics, "num_rows": manifest["num_rows"], "num_bytes": manifest["num_bytes"],

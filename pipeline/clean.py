@@ -25,7 +25,7 @@ from bertpipe.pipeline import storage
 from bertpipe.pipeline.config import CleanConfig
 from bertpipe.pipeline.identity import describe_file
 from bertpipe.pipeline.progress import Reporter, remote_progress
-from bertpipe.pipeline.dump_reader import ReadUnit, expand_inputs, iter_pages, plan_units
+from bertpipe.pipeline.dump_reader import ReadUnit, check_head, expand_inputs, iter_pages, plan_units
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 from bertpipe.pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
 
@@ -46,6 +46,13 @@ def describe_raw_inputs(cfg: CleanConfig) -> list[dict[str, Any]]:
             raise StageInputError(f"{exc} (set clean.input to a Wikipedia dump; for the bundled sample run "
                                   "`bertpipe fetch-sample` first)") from None
         raise
+
+
+def preflight(ctx: StageContext) -> None:
+    """Before Ray starts: every dump exists (describe_raw_inputs, run by the plan) and its head is a MediaWiki
+    pages dump, so an empty, non-bz2 or non-Wikipedia file fails in milliseconds with one line."""
+    for uri in expand_inputs(ctx.config["clean"].input):
+        check_head(uri)
 
 
 # ---------------------------------------------------------------- pure per-row / per-batch functions
@@ -114,7 +121,7 @@ _STATUSES = (ARTICLE, REDIRECT, OTHER_NS, DISAMBIGUATION, TOO_SHORT)
 
 class _DocWriter:
     """Articles of one read unit into `docs-{unit}-{part}.parquet` files of at most `rows_per_file` rows; each file
-    is written under a .tmp name and renamed when whole."""
+    is written under a temporary name unique to this write (storage.temp_path) and renamed when whole."""
 
     def __init__(self, output_uri: str, unit_index: int, rows_per_file: int):
         self.output_uri, self.unit_index, self.rows_per_file = output_uri, unit_index, rows_per_file
@@ -137,7 +144,8 @@ class _DocWriter:
         name = f"docs-{self.unit_index:05d}-{len(self.names):04d}.parquet"
         fs, path = storage.resolve(storage.join(self.output_uri, name))
         self._path, self._fs = path, fs
-        self._stream = fs.open_output_stream(path + ".tmp")
+        self._tmp = storage.temp_path(path)
+        self._stream = fs.open_output_stream(self._tmp)
         self._writer = pq.ParquetWriter(self._stream, DOC_SCHEMA, compression="zstd")
         self.names.append(name)
 
@@ -145,7 +153,7 @@ class _DocWriter:
         if self._writer is not None:
             self._writer.close()
             self._stream.close()
-            self._fs.move(self._path + ".tmp", self._path)
+            self._fs.move(self._tmp, self._path)
         self._writer = self._stream = None
         self._rows = 0
 

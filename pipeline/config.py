@@ -8,6 +8,25 @@ from typing import Any
 SAMPLE_DUMP = "data/sample/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
+def at_least(section: str, obj: Any, minimum: float, *names: str) -> None:
+    """ValueError naming `section.name` for the first field below `minimum` (every count, size and rate has one)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum:
+            raise ValueError(f"{_key(section, name)} must be >= {minimum}, got {value}")
+
+
+def within(section: str, obj: Any, name: str, low: float, high: float, *, high_open: bool = False) -> None:
+    """ValueError naming `section.name` unless low <= value <= high (< high with high_open)."""
+    value = getattr(obj, name)
+    if not (low <= value < high if high_open else low <= value <= high):
+        raise ValueError(f"{_key(section, name)} must be in [{low}, {high}{')' if high_open else ']'}, got {value}")
+
+
+def _key(section: str, name: str) -> str:
+    return f"{section}.{name}" if section else name  # "" = a top-level field (seed)
+
+
 def path_field(default: Any = "") -> Any:
     """A field naming a local path or URI (or a tuple of them). The config loader makes every such field absolute
     on the driver (`jobs.configtools.resolve_paths`): code on a Ray worker never sees a relative path."""
@@ -35,6 +54,12 @@ class CleanConfig:
     # Documents per output Parquet file.
     rows_per_file: int = 20_000
 
+    def __post_init__(self) -> None:
+        if not self.input or any(not uri for uri in self.input):
+            raise ValueError(f"clean.input must name at least one dump and no empty path, got {list(self.input)}")
+        at_least("clean", self, 0, "min_paragraph_chars", "min_article_chars", "num_read_workers")
+        at_least("clean", self, 1, "max_page_bytes", "pages_per_batch", "split_bytes", "rows_per_file")
+
 
 @dataclass(frozen=True, kw_only=True)
 class VocabConfig:
@@ -53,6 +78,12 @@ class VocabConfig:
     # corpus. 0 = the whole corpus.
     max_sample_bytes: int = 300_000_000
 
+    def __post_init__(self) -> None:
+        # 104: the special slots of Google's layout (pipeline/vocab.py GOOGLE_SPECIAL_LAYOUT) plus one learned piece.
+        at_least("vocab", self, 105, "vocab_size")
+        at_least("vocab", self, 0, "min_frequency", "max_sample_bytes")
+        at_least("vocab", self, 1, "limit_alphabet")
+
 
 @dataclass(frozen=True, kw_only=True)
 class PairsConfig:
@@ -70,3 +101,13 @@ class PairsConfig:
     # Documents per pairing pool (one task of the first pass): the NotNext B is drawn from the other documents of
     # the pool, and one pool's tokens and instances are what a task holds in memory.
     docs_per_partition: int = 2_000
+
+    def __post_init__(self) -> None:
+        lengths = self.max_seq_lengths
+        # 8..512: room for [CLS] A [SEP] B [SEP], and BERT's position table (the same bounds as pretrain.phases).
+        if not lengths or any(not 8 <= n <= 512 for n in lengths) or list(lengths) != sorted(set(lengths)):
+            raise ValueError(f"pairs.max_seq_lengths must be distinct lengths in [8, 512], ascending, got "
+                             f"{list(lengths)}")
+        within("pairs", self, "short_seq_prob", 0.0, 1.0)
+        within("pairs", self, "heldout_fraction", 0.0, 1.0, high_open=True)
+        at_least("pairs", self, 1, "dupe_factor", "num_shards", "docs_per_partition")

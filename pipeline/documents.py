@@ -17,22 +17,29 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.stage import StageInputError, manifest_state
 
 TEXT_SUFFIXES = (".txt",)
 
 
-def document_files(uri: str) -> list[str]:
-    """The document files of `uri`, sorted: the file itself, or a folder's Parquet files (else its text files)."""
+def document_files(uri: str, manifest: dict[str, Any] | None = None) -> list[str]:
+    """The document files of `uri`, sorted: the file itself, or a folder's Parquet files (else its text files).
+
+    A committed stage folder is read as its manifest (`manifest`, or the folder's own) lists it, never as listed
+    on disk: a file copied in after the commit is not part of the output the fingerprint names."""
     if uri.endswith((".parquet", *TEXT_SUFFIXES)):
         if not storage.exists(uri):
             raise StageInputError(f"documents {uri} do not exist")
         return [uri]
     if not storage.exists(uri):
         raise StageInputError(f"documents folder {uri} does not exist")
-    names = [p for p, _ in storage.list_files(uri)]
+    if not manifest:
+        manifest, problem = manifest_state(uri)
+        if problem:
+            raise StageInputError(f"documents folder {uri}: {problem}")
+    names = [f["path"] for f in manifest["files"]] if manifest else [p for p, _ in storage.list_files(uri)]
     for suffixes in ((".parquet",), TEXT_SUFFIXES):
-        files = [storage.join(uri, p) for p in names if p.endswith(suffixes)]
+        files = sorted(storage.join(uri, *p.split("/")) for p in names if p.endswith(suffixes))
         if files:
             return files
     raise StageInputError(f"no documents in {uri}: expected Parquet files with a `text` column (a clean stage "

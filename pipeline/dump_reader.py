@@ -278,6 +278,55 @@ def iter_pages(unit: ReadUnit | str, *, max_page_bytes: int = 4_000_000) -> Iter
         raw.close()
 
 
+HEAD_BYTES = 1 << 20
+_HEAD_CHUNK = 16 << 10
+
+
+class _HeadFound(Exception):
+    """Raised from inside expat to stop reading once the first <page> has started."""
+
+
+def check_head(uri: str) -> None:
+    """Before any Ray work: `uri` opens (bz2, gzip or plain), is XML whose root is <mediawiki>, and a <page> starts
+    within its first HEAD_BYTES of XML. Reads only that head, so a bad dump costs milliseconds, not a Ray start-up
+    and a failed task; a dump truncated further in is still found by `iter_pages`. StageInputError naming the file."""
+    elements: list[str] = []
+
+    def start(name: str, attrs) -> None:
+        elements.append(name)
+        if name == "page":
+            raise _HeadFound
+
+    parser = xml.parsers.expat.ParserCreate()
+    parser.StartElementHandler = start
+    raw = _open_raw(uri)
+    seen = 0
+    try:
+        stream = _decompressing(raw)
+        while seen < HEAD_BYTES:
+            chunk = stream.read(_HEAD_CHUNK)
+            if not chunk:
+                break
+            seen += len(chunk)
+            parser.Parse(chunk, False)
+            if elements and elements[0] != "mediawiki":
+                break
+    except _HeadFound:
+        return
+    except (EOFError, OSError, ValueError, LookupError) as exc:
+        raise StageInputError(f"input dump {uri} is not a readable bz2/gzip/XML file: {exc}") from None
+    except xml.parsers.expat.ExpatError as exc:
+        raise StageInputError(f"input dump {uri} is not XML ({exc}): expected a MediaWiki XML dump") from None
+    finally:
+        raw.close()
+    if seen == 0:
+        raise StageInputError(f"input dump {uri} is empty")
+    if not elements or elements[0] != "mediawiki":
+        root = f"<{elements[0]}>" if elements else "no element"
+        raise StageInputError(f"input dump {uri} is not a MediaWiki XML dump: its root is {root}, not <mediawiki>")
+    raise StageInputError(f"input dump {uri} holds no <page> in its first {seen:,} bytes of XML: not a pages dump")
+
+
 def find_index(uri: str) -> str | None:
     """The multistream index beside `uri` (`X-multistream.xml.bz2` -> `X-multistream-index.txt[.bz2]`), if any."""
     base = uri

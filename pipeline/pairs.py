@@ -203,12 +203,13 @@ def _write_part(uri: str, groups: list[pa.Table]) -> None:
     fs, path = storage.resolve(uri)
     fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     schema = groups[0].schema
-    with fs.open_output_stream(path + ".tmp") as f, pa.ipc.new_file(f, schema) as w:
+    tmp = storage.temp_path(path)
+    with fs.open_output_stream(tmp) as f, pa.ipc.new_file(f, schema) as w:
         for group in groups:
             batches = group.combine_chunks().to_batches()  # one column chunk each: at most one batch
             assert len(batches) <= 1, f"group of {group.num_rows} rows gave {len(batches)} batches"
             w.write_batch(batches[0] if batches else pa.RecordBatch.from_pylist([], schema=schema))
-    fs.move(path + ".tmp", path)
+    fs.move(tmp, path)
 
 
 def _pair_length(flat, bounds, held, *, length, seed, key, dupe_factor, buckets, parts_uri, pair_kwargs) -> dict:
@@ -373,7 +374,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     tokens_list = load_vocab(vocab_uri)
     specials = special_ids(tokens_list)
     lowercase = _lowercase(ctx)
-    files = document_files(ctx.input("clean").uri)
+    docs = ctx.input("clean")
+    files = document_files(docs.uri, docs.manifest)
     v_hash = vocab_hash(vocab_uri)
     parts_uri = storage.join(ctx.output_uri, PARTS_DIR)
     seeds = {length: derive_seed(ctx.seed, "pairs", length) % 2**31 for length in cfg.max_seq_lengths}

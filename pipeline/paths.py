@@ -49,3 +49,8 @@ class WorkdirPaths:
     @property
     def logs(self) -> str:
         return self._join("logs")
+
+    @property
+    def lock(self) -> str:
+        """Who is writing this workdir (pipeline/workdir_lock.py); hidden, so no listing of outputs sees it."""
+        return self._join(".bertpipe.lock")

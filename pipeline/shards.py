@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError, read_manifest
+from bertpipe.pipeline.stage import StageInputError, manifest_state
 
 SHARD_SCHEMA_VERSION = 1
 META_KEY = b"bertpipe"
@@ -72,13 +72,13 @@ def shard_schema(vocab_size: int, max_seq_length: int, meta: dict) -> pa.Schema:
 
 
 def write_shard(uri: str, table: pa.Table) -> None:
-    """Write one shard (table already in shard_schema, metadata included) to a .tmp name, then rename it."""
+    """Write one shard (table already in shard_schema, metadata included) to a temporary name, then rename it."""
     if META_KEY not in (table.schema.metadata or {}):
         raise ValueError(f"refusing to write {uri}: the table carries no {META_KEY!r} metadata (use shard_schema)")
     fs, path = storage.resolve(uri)
     parent = posixpath.dirname(path) if "://" in uri else os.path.dirname(path)
     fs.create_dir(parent, recursive=True)
-    tmp = path + ".tmp"
+    tmp = storage.temp_path(path)
     with fs.open_output_stream(tmp) as f:
         # Row groups of ~64k rows: a reader can stream a shard without loading it whole.
         pq.write_table(table, f, row_group_size=65_536, compression="zstd")
@@ -109,7 +109,9 @@ def read_shard_meta(uri: str) -> dict:
 def list_shards(pairs_uri: str, max_seq_length: int) -> tuple[list[str], str]:
     """(train shard URIs sorted, held-out URI) of one length. From the manifest of a committed pairs folder; a
     folder without one (shards a user names explicitly, `pretrain.input`) is listed as it is."""
-    manifest = read_manifest(pairs_uri)
+    manifest, problem = manifest_state(pairs_uri)
+    if problem:
+        raise StageInputError(f"shard folder {pairs_uri}: {problem}")
     if manifest is not None:
         files = [f["path"].replace(os.sep, "/") for f in manifest.get("files", [])]
     elif storage.exists(pairs_uri):

@@ -12,6 +12,7 @@ import os
 import posixpath
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +20,10 @@ from bertpipe.pipeline import storage
 from bertpipe.pipeline.paths import WorkdirPaths
 
 MANIFEST_NAME = "_MANIFEST.json"
+CONFIG_NAME = "_CONFIG.json"  # the stage's resolved config, written just before the manifest
+RUN_NAME = "_RUN.json"  # the run writing the folder and what it may delete (pipeline/outputs.py)
+# Files the workflow writes at the top of a stage folder besides the stage's own outputs.
+BOOKKEEPING = (MANIFEST_NAME, CONFIG_NAME, RUN_NAME)
 SCHEMA_VERSION = 1
 
 
@@ -87,15 +92,63 @@ def manifest_uri(output_uri: str) -> str:
     return storage.join(output_uri, MANIFEST_NAME)
 
 
-def read_manifest(output_uri: str) -> dict[str, Any] | None:
-    """The committed manifest of a stage folder, or None if the folder is incomplete or absent."""
+# Field -> the types it may hold. A manifest is trusted only in this shape: other code reads these fields without
+# checking them again, and `files` decides what a rerun may delete.
+_MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "stage": (str,), "fingerprint": (str,), "output_id": (str,), "schema_version": (int,), "num_rows": (int,),
+    "num_bytes": (int,), "files": (list,), "outputs": (list,), "config": (dict,), "inputs": (dict,),
+    "raw_inputs": (list,), "metrics": (dict,), "extra": (dict,),
+}
+
+
+def safe_relative(path: Any) -> bool:
+    """A path inside the stage folder: relative, no "..", no empty part (a manifest must not reach outside)."""
+    if not isinstance(path, str) or not path or path.startswith(("/", "\\")) or "://" in path:
+        return False
+    parts = path.replace("\\", "/").split("/")
+    return all(p not in ("", ".", "..") for p in parts)
+
+
+def manifest_problem(manifest: Any) -> str:
+    """Why `manifest` (parsed JSON) is not a manifest this code can trust; "" when it is."""
+    if not isinstance(manifest, dict):
+        return f"is {type(manifest).__name__}, not an object"
+    for name, types in _MANIFEST_FIELDS.items():
+        value = manifest.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
+            found = type(value).__name__ if name in manifest else "absent"
+            return f"field {name} is {found}, expected {'/'.join(t.__name__ for t in types)}"
+    for i, entry in enumerate(manifest["files"]):
+        if not isinstance(entry, dict) or not safe_relative(entry.get("path")):
+            return f"files[{i}] has no relative path inside the folder"
+        size, digest = entry.get("size"), entry.get("sha256")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"files[{i}].size is not a byte count"
+        if digest is not None and not isinstance(digest, str):  # absent in manifests written before checksums
+            return f"files[{i}].sha256 is not a string"
+    if not all(safe_relative(p) for p in manifest["outputs"]):
+        return "outputs holds a path that is not relative to the folder"
+    return ""
+
+
+def manifest_state(output_uri: str) -> tuple[dict[str, Any] | None, str]:
+    """(manifest, "") for a committed folder; (None, "") when there is no manifest; (None, why) when there is one
+    that is not a valid manifest: torn, not JSON, or JSON of another shape (the stage is then broken)."""
     uri = manifest_uri(output_uri)
     if not storage.exists(uri):
-        return None
+        return None, ""
     try:
-        return json.loads(storage.read_text(uri))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None  # a torn manifest (should not happen with atomic writes) counts as no commit
+        manifest = json.loads(storage.read_text(uri))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return None, f"{MANIFEST_NAME} is not JSON ({exc})"
+    problem = manifest_problem(manifest)
+    return (None, f"{MANIFEST_NAME} does not match the manifest schema: {problem}") if problem else (manifest, "")
+
+
+def read_manifest(output_uri: str) -> dict[str, Any] | None:
+    """The committed manifest of a stage folder, or None if the folder is incomplete, absent or its manifest
+    invalid (a folder without a valid manifest is never read as input)."""
+    return manifest_state(output_uri)[0]
 
 
 def write_manifest(
@@ -109,12 +162,16 @@ def write_manifest(
     started: float,
     code_version: str,
 ) -> dict[str, Any]:
-    files = storage.list_files(output_uri)
+    files = committed_files(output_uri)
     present = {p for p, _ in files}
     missing = [p for p in result.outputs if p not in present]
     if missing:
         raise StageOutputError(f"stage {stage} declares outputs it did not write under {output_uri}: "
                                f"{', '.join(missing)}; nothing committed")
+    # Checksums of what is committed, for `bertpipe status --verify`: one read of the output, in parallel.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        digests = list(pool.map(lambda rel: storage.sha256(storage.join(output_uri, *rel.split("/"))),
+                                [p for p, _ in files]))
     seconds = time.time() - started
     manifest = {
         "stage": stage,
@@ -123,7 +180,7 @@ def write_manifest(
         "schema_version": SCHEMA_VERSION,
         "num_rows": int(result.num_rows),
         "num_bytes": int(sum(size for _, size in files)),
-        "files": [{"path": p, "size": s} for p, s in files],
+        "files": [{"path": p, "size": s, "sha256": d} for (p, s), d in zip(files, digests)],
         "config": config,
         "inputs": inputs,
         "raw_inputs": result.raw_inputs,
@@ -140,8 +197,8 @@ def write_manifest(
     return manifest
 
 
-def missing_outputs(output_uri: str, manifest: dict[str, Any]) -> list[str]:
-    """Files a committed manifest lists (its declared outputs and every data file) that are no longer there."""
-    present = {p for p, _ in storage.list_files(output_uri)}
-    listed = list(manifest.get("outputs", [])) + [f["path"] for f in manifest.get("files", [])]
-    return sorted({p for p in listed if p not in present})
+def committed_files(output_uri: str) -> list[tuple[str, int]]:
+    """(relative path, size) of every file a manifest written now would list: everything in the folder, hidden
+    files included, except the workflow's bookkeeping and writers' temporary files."""
+    files, _ = storage.list_all(output_uri)
+    return [(p, n) for p, n in files if p not in BOOKKEEPING and not storage.is_temp(p)]

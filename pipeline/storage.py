@@ -1,8 +1,11 @@
 """Folder-level I/O on local disk or object stores (s3://, gs://) through pyarrow.fs, so stages are URI-agnostic."""
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
+import re
+import uuid
 
 import pyarrow.fs as pafs
 
@@ -45,12 +48,53 @@ def delete_file(uri: str) -> None:
         fs.delete_file(path)
 
 
-def reset_dir(uri: str) -> None:
-    """Empty (or create) a stage's output folder before the stage writes into it."""
+# A writer's temporary name: the final name, 12 random hex digits, ".tmp". Unique per write, so two runs (or a task
+# and its retry) never rename each other's file; the pattern lets a stage recognise its own leftovers.
+TEMP_RE = re.compile(r"\.[0-9a-f]{12}\.tmp$")
+
+
+def temp_path(path: str) -> str:
+    """Where to write `path` before renaming it into place (see TEMP_RE)."""
+    return f"{path}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def is_temp(name: str) -> bool:
+    return TEMP_RE.search(name) is not None
+
+
+def list_all(uri: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """(every file as (relative path, size), every sub-folder's relative path) under `uri`, hidden ones included,
+    sorted; relative paths use "/". Empty lists when `uri` is not a folder."""
     fs, path = resolve(uri)
-    if fs.get_file_info(path).type == pafs.FileType.Directory:
-        fs.delete_dir_contents(path)
-    fs.create_dir(path, recursive=True)
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        return [], []
+    files, dirs = [], []
+    for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+        rel = info.path[len(path):].lstrip("/") if "://" in uri else os.path.relpath(info.path, path)
+        rel = rel.replace(os.sep, "/")
+        if info.type == pafs.FileType.File:
+            files.append((rel, info.size))
+        elif info.type == pafs.FileType.Directory:
+            dirs.append(rel)
+    return sorted(files), sorted(dirs)
+
+
+def sha256(uri: str) -> str:
+    """Hex sha256 of a file's bytes, streamed (any supported store)."""
+    fs, path = resolve(uri)
+    digest = hashlib.sha256()
+    with fs.open_input_stream(path) as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def delete_empty_dir(uri: str) -> None:
+    """Remove a folder if it holds nothing (object stores have no empty folders: nothing to do there)."""
+    fs, path = resolve(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.Directory and not fs.get_file_info(pafs.FileSelector(path)):
+        fs.delete_dir(path)
 
 
 def list_files(uri: str) -> list[tuple[str, int]]:
@@ -91,9 +135,10 @@ def write_bytes(uri: str, data: bytes) -> None:
     """Write a file whole, creating its folder; atomic where the store allows (tmp + rename)."""
     fs, path = resolve(uri)
     fs.create_dir(posixpath.dirname(path) if "://" in uri else os.path.dirname(path), recursive=True)
-    with fs.open_output_stream(path + ".tmp") as f:
+    tmp = temp_path(path)
+    with fs.open_output_stream(tmp) as f:
         f.write(data)
-    fs.move(path + ".tmp", path)
+    fs.move(tmp, path)
 
 
 def is_file(uri: str) -> bool:

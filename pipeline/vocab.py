@@ -243,6 +243,14 @@ def describe_raw_inputs(cfg: VocabConfig) -> list[dict]:
     return [{"uri": cfg.path, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()}]
 
 
+def preflight(ctx: StageContext) -> None:
+    """Before Ray starts: a vocab.txt the user names (vocab.path) reads as UTF-8 and has the special tokens, for the
+    vocab stage and for the stages that take it as their vocabulary."""
+    path = ctx.config["vocab"].path
+    if path:
+        load_vocab(path)
+
+
 def run_stage(ctx: StageContext) -> StageResult:
     cfg: VocabConfig = ctx.config["vocab"]
     started = time.time()
@@ -256,7 +264,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     else:
         if cfg.vocab_size <= len(GOOGLE_SPECIAL_LAYOUT):
             raise ValueError(f"vocab.vocab_size={cfg.vocab_size} leaves no room beside the {len(GOOGLE_SPECIAL_LAYOUT)} special slots")
-        pieces = text_pieces(document_files(ctx.input("clean").uri))
+        docs = ctx.input("clean")
+        pieces = text_pieces(document_files(docs.uri, docs.manifest))
         sample = sample_pieces(pieces, cfg.max_sample_bytes, ctx.seed)
         corpus_bytes, sample_bytes = sum(p.num_bytes for p in pieces), sum(p.num_bytes for p in sample)
         log.info("vocab: training WordPiece (target %d) on %.1f MB sampled from %.1f MB of text", cfg.vocab_size,

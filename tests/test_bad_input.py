@@ -4,6 +4,7 @@ Each case runs the real `bertpipe` command in a subprocess from an empty directo
 """
 from __future__ import annotations
 
+import bz2
 import os
 import subprocess
 import sys
@@ -110,3 +111,34 @@ def test_no_reachable_cluster_is_one_line_with_the_way_to_start_one(tmp_path, ar
     proc = bertpipe(tmp_path, *argv[:1], *(["--address", address] if argv[0] == "submit" else []), *argv[1:],
                     *(["--address", address] if argv[0] == "jobs" else []))
     assert_one_line_refusal(proc, f"no Ray cluster answers at {address}", "infra/local/cluster.sh start")
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("empty.xml.bz2", b"", "is empty"),
+    ("junk.xml.bz2", b"BZh9" + b"\x00garbage" * 64, "is not a readable bz2/gzip/XML file"),
+    ("notes.xml.bz2", bz2.compress(b"plain text, no XML\n" * 50), "is not XML"),
+    ("page.xml", b"<html><body><p>a web page</p></body></html>", "root is <html>, not <mediawiki>"),
+    ("siteinfo.xml", b"<mediawiki><siteinfo><sitename>W</sitename></siteinfo></mediawiki>", "holds no <page>"),
+], ids=["empty", "not-bz2", "bz2-not-xml", "html", "no-page"])
+def test_dump_that_is_not_a_mediawiki_dump_is_refused_before_ray(tmp_path, name, content, needle):
+    (tmp_path / name).write_bytes(content)
+    started = time.time()
+    proc = bertpipe(tmp_path, "run", "--workdir", "w", "--set", f"clean.input={name}")
+    assert_one_line_refusal(proc, needle, str(tmp_path / name))
+    assert time.time() - started < 30  # the head only, no Ray start-up
+    assert not (tmp_path / "w").exists()
+
+
+def test_vocab_without_the_special_tokens_is_refused_before_ray(tmp_path):
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\nhello\nworld\n")
+    (tmp_path / "corpus.txt").write_text("One sentence.\nAnother one.\n\nA second document.\n")
+    for args in (["--only", "vocab"], ["--only", "pairs", "--set", "pairs.input=corpus.txt"]):
+        proc = bertpipe(tmp_path, "run", "--workdir", "w", "--set", "vocab.path=vocab.txt", *args)
+        assert_one_line_refusal(proc, "lacks the special tokens ['[SEP]', '[MASK]']")
+    assert not (tmp_path / "w").exists()
+
+
+def test_phase_length_that_pairs_does_not_write_is_refused_before_any_stage(sample_copy):
+    proc = bertpipe(sample_copy, "run", "--set", "pairs.max_seq_lengths=[128]")
+    assert_one_line_refusal(proc, "pretrain.phases train at max_seq_length [512]", "pairs.max_seq_lengths is [128]")
+    assert not (sample_copy / "work").exists()  # (`--only pairs` may write any lengths: test_workflow.py)

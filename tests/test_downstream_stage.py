@@ -126,6 +126,9 @@ def test_status_lists_opt_in_stages_only_once_they_ran(tmp_path, tiny_bert):
     assert [r["stage"] for r in workflow.status(cfg)] == ["clean", "vocab", "pairs", "pretrain", "finetune"]
     squad = tmp_path / "w" / "squad"
     squad.mkdir(parents=True)
-    (squad / "_MANIFEST.json").write_text(_json.dumps({"stage": "squad", "fingerprint": "x", "files": []}))
+    fields = {"stage": "squad", "fingerprint": "x", "output_id": "y", "schema_version": 1, "num_rows": 0,
+              "num_bytes": 0, "files": [], "outputs": [], "config": {}, "inputs": {}, "raw_inputs": [],
+              "metrics": {}, "extra": {}}  # a manifest of the right shape whose fingerprint is not today's
+    (squad / "_MANIFEST.json").write_text(_json.dumps(fields))
     rows = {r["stage"]: r["state"] for r in workflow.status(cfg)}
     assert list(rows) == ["clean", "vocab", "pairs", "pretrain", "finetune", "squad"] and rows["squad"] == "stale"

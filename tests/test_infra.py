@@ -296,6 +296,144 @@ def test_mlflow_server_uses_a_database_and_an_object_store():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Hardening: unprivileged pods, and NetworkPolicies that admit only the project's own pods
+
+K8S_MANIFESTS = ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml", "kuberay/networkpolicy.yaml", "mlflow/mlflow.yaml")
+
+
+def pod_templates() -> dict[str, dict]:
+    """Every pod template: 'file#group' -> {"labels": the labels the pod will carry, "spec": its pod spec}. KubeRay
+    adds ray.io/node-type (head / worker) to the Ray pods it creates; the template's own labels are kept."""
+    out = {}
+    for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml"):
+        spec = load(rel)["spec"]
+        cluster = spec.get("rayClusterSpec", spec)
+        groups = [("head", "head", cluster["headGroupSpec"])]
+        groups += [(g["groupName"], "worker", g) for g in cluster["workerGroupSpecs"]]
+        for name, node_type, group in groups:
+            template = group["template"]
+            labels = {**template.get("metadata", {}).get("labels", {}), "ray.io/node-type": node_type}
+            out[f"{rel}#{name}"] = {"labels": labels, "spec": template["spec"]}
+        if "submitterPodTemplate" in spec:
+            template = spec["submitterPodTemplate"]
+            out[f"{rel}#submitter"] = {"labels": template.get("metadata", {}).get("labels", {}),
+                                       "spec": template["spec"]}
+    for doc in load_all("mlflow/mlflow.yaml"):
+        if doc["kind"] == "Deployment":
+            template = doc["spec"]["template"]
+            out[f"mlflow/mlflow.yaml#{doc['metadata']['name']}"] = {"labels": template["metadata"]["labels"],
+                                                                   "spec": template["spec"]}
+    return out
+
+
+def check_container(where: str, container: dict, volumes: dict[str, dict]) -> None:
+    sc = container.get("securityContext", {})
+    assert sc.get("allowPrivilegeEscalation") is False, where
+    assert sc.get("privileged", False) is False and sc.get("runAsUser", 1000) != 0, where
+    assert sc.get("capabilities", {}).get("drop") == ["ALL"] and not sc["capabilities"].get("add"), where
+    assert sc.get("readOnlyRootFilesystem") is True, where
+    # A read-only root needs somewhere to write: /tmp, and every directory the env points a writer at, on an emptyDir.
+    mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+    assert "/tmp" in mounts and "emptyDir" in volumes[mounts["/tmp"]], where
+    for name in ("MPLCONFIGDIR", "TRITON_CACHE_DIR"):
+        value = env_of(container).get(name, {}).get("value")
+        if value:
+            assert any(value.startswith(path.rstrip("/") + "/") for path in mounts), (where, name, value)
+
+
+def test_every_pod_and_container_runs_unprivileged():
+    templates = pod_templates()
+    # Every pod spec in the manifests is one of these: a new one must be hardened (and listed above) too.
+    assert len(templates) == sum(1 for rel in K8S_MANIFESTS for doc in load_all(rel) for _ in walk(doc, "containers"))
+    assert len(templates) == 8
+    for where, pod in templates.items():
+        spec = pod["spec"]
+        psc = spec.get("securityContext", {})
+        assert psc.get("runAsNonRoot") is True and psc.get("runAsUser", 0) != 0, where
+        assert psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", where
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        containers = spec["containers"] + spec.get("initContainers", [])
+        for container in containers:
+            check_container(f"{where}/{container['name']}", container, volumes)
+        if where.endswith("#head"):
+            # KubeRay adds the autoscaler as a sidecar of the head pod, from autoscalerOptions.
+            rel = where.split("#")[0]
+            cluster = load(rel)["spec"]
+            cluster = cluster.get("rayClusterSpec", cluster)
+            if cluster.get("enableInTreeAutoscaling"):
+                check_container(f"{where}/autoscaler", cluster["autoscalerOptions"], volumes)
+    containers = [c for pod in templates.values() for c in pod["spec"]["containers"]]
+    assert any(c["name"] == "mlflow" for c in containers) and any(c["name"] == "ray-head" for c in containers)
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector ({} selects everything)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        if (op == "Exists" and key not in labels) or (op == "DoesNotExist" and key in labels) \
+                or (op == "In" and labels.get(key) not in values) or (op == "NotIn" and labels.get(key) in values):
+            return False
+    return True
+
+
+def admitted(policies: list[dict], target: tuple[str, dict], source: tuple[str, dict], port: int) -> bool:
+    """Whether a pod (namespace, labels) may open `port` on the target pod, by NetworkPolicy's rules: a pod that no
+    Ingress policy selects admits everyone; one that some select admits the union of their rules."""
+    target_ns, target_labels = target
+    source_ns, source_labels = source
+    selecting = [p for p in policies if p["metadata"]["namespace"] == target_ns
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and selects(p["spec"]["podSelector"], target_labels)]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
+                continue
+            if "from" not in rule:
+                return True  # from anywhere
+            for peer in rule["from"]:
+                ns_ok = (selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_ns})
+                         if "namespaceSelector" in peer else source_ns == target_ns)
+                if ns_ok and selects(peer.get("podSelector", {}), source_labels):
+                    return True
+    return False
+
+
+def test_network_policies_admit_only_the_projects_pods():
+    policies = [d for rel in K8S_MANIFESTS for d in load_all(rel) if d["kind"] == "NetworkPolicy"]
+    assert policies and all(p["apiVersion"] == "networking.k8s.io/v1" for p in policies)
+    assert not list(walk(policies, "ipBlock"))  # no address range is ever let in
+    templates = pod_templates()
+    ns = "bertpipe"
+    assert {load(rel)["metadata"]["namespace"] for rel in ("kuberay/raycluster.yaml", "kuberay/rayjob.yaml")} == {ns}
+    mlflow = (ns, templates["mlflow/mlflow.yaml#mlflow"]["labels"])
+    ray_pods = [(ns, t["labels"]) for where, t in templates.items() if "ray.io/node-type" in t["labels"]]
+    heads = [pod for pod in ray_pods if pod[1]["ray.io/node-type"] == "head"]
+    project = [(ns, t["labels"]) for where, t in templates.items() if not where.startswith("mlflow/")]
+    stranger = (ns, {"app.kubernetes.io/name": "someone-else"})
+    operator = ("ray-system", {"app.kubernetes.io/name": "kuberay-operator"})
+    assert len(heads) == 2 and len(project) == 7
+
+    # MLflow (no login): every Ray pod and the job submitter reach port 5000; no other pod, here or elsewhere.
+    assert all(admitted(policies, mlflow, src, 5000) for src in project)
+    assert not admitted(policies, mlflow, stranger, 5000)
+    assert not admitted(policies, mlflow, ("default", project[0][1]), 5000)  # the same labels in another namespace
+
+    # Ray pods: each other on every port (GCS, dashboard, Ray Client, object manager); the operator on the head's
+    # dashboard only; nobody else.
+    for target in ray_pods:
+        assert all(admitted(policies, target, src, port) for src in project for port in (6379, 8265, 10001, 12345))
+        assert not any(admitted(policies, target, stranger, port) for port in (6379, 8265, 10001))
+        assert not admitted(policies, target, operator, 6379)
+    for head in heads:
+        assert admitted(policies, head, operator, 8265)
+        assert not admitted(policies, head, ("default", operator[1]), 8265)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # infra/local/cluster.sh
 
 

@@ -193,3 +193,20 @@ def test_impossible_configs_are_refused(ray_local, data, tmp_path, overrides, me
     _, inputs = data
     with pytest.raises(ValueError, match=message):
         run_stage(context(tmp_path, inputs, base_config(**overrides)))
+
+
+def test_diverging_run_stops_once_with_the_step_and_no_retry(ray_local, data, tmp_path):
+    """A learning rate that blows the weights up: the run stops at the first logging window with one line naming
+    the step, even with retries allowed (a retry would only meet the same NaN again)."""
+    from bertpipe.jobs.pretrain.meter import NonFiniteError
+
+    _, inputs = data
+    cfg = tiny_config(max_steps=20, log_every_steps=5, checkpoint_every_steps=10**6, max_failures=3,
+                      phases=(PhaseConfig(max_seq_length=32, max_predictions_per_seq=5, global_batch_size=32,
+                                          micro_batch_size=8, learning_rate=1e30, warmup_steps=0),))
+    with pytest.raises(NonFiniteError) as err:
+        run_stage(context(tmp_path, inputs, cfg))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("pretrain (seq 32): the loss")
+    assert "not finite at optimizer step" in message and int(message.split("step ")[1].split(":")[0]) <= 5
+    assert not (Path(tmp_path) / "pretrain" / "export").exists()

@@ -174,3 +174,18 @@ def test_compiled_and_eager_losses_agree():
         losses[compiled] = [row["loss"] for row in w.history]
         assert w.compiled == compiled
     assert losses[True] == pytest.approx(losses[False], rel=2e-3)
+
+
+@pytest.mark.parametrize("preset", ["bert_large", "bert_large_lamb"])
+def test_gpu_presets_fill_the_card(preset):
+    """The GPU presets load, validate, reach their recipe's global batch and never sit at accumulation 1 with a
+    micro-batch under 64 at seq 128; they compile on the GPU."""
+    from bertpipe.jobs.config import load_config
+
+    cfg = load_config(preset).pretrain
+    validate(cfg)
+    assert cfg.use_gpu and loop.compile_enabled(cfg) and layout_warning(cfg) == ""
+    first = cfg.phases[0]
+    assert first.max_seq_length == 128 and first.micro_batch_size >= 64
+    assert first.global_batch_size == {"bert_large": 256, "bert_large_lamb": 65536}[preset]
+    assert deepspeed_config(cfg, first, cfg.num_workers)["bf16"]["check_grad_overflow"] is False

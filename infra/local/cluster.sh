@@ -129,6 +129,7 @@ ensure_token() {
     mkdir -p "$(dirname "$TOKEN_FILE")"
     # 32 random bytes, hex: the same strength `ray get-auth-token --generate` uses.
     (umask 077 && python3 -c 'import secrets; print(secrets.token_hex(32), end="")' >"$TOKEN_FILE")
+    chmod 600 "$TOKEN_FILE"   # an empty file that was there already keeps its mode through the redirect
     log "generated a Ray auth token in $TOKEN_FILE"
 }
 

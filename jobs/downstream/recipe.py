@@ -40,8 +40,8 @@ class Recipe:
                 raise ValueError(f"{section}.{name} must be >= 1, got {getattr(self, name)}")
         if not self.learning_rates or any(lr <= 0 for lr in self.learning_rates):
             raise ValueError(f"{section}.learning_rates must be positive and non-empty, got {self.learning_rates}")
-        if not self.seeds:
-            raise ValueError(f"{section}.seeds must name at least one seed")
+        if not self.seeds or any(not 0 <= seed < 2**32 for seed in self.seeds):
+            raise ValueError(f"{section}.seeds must name at least one seed, each in [0, 2**32), got {list(self.seeds)}")
         if not 0.0 <= self.warmup_proportion < 1.0:
             raise ValueError(f"{section}.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
@@ -51,6 +51,10 @@ class Recipe:
         for name in ("max_train_examples", "max_concurrent_trials", "gpus_per_trial", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{section}.{name} must be >= 0, got {getattr(self, name)}")
+        # A zero epsilon divides by zero on a parameter whose gradient is zero; a zero norm zeroes every update.
+        for name in ("adam_epsilon", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{section}.{name} must be > 0, got {getattr(self, name)}")
 
     @property
     def device(self) -> str:

@@ -30,3 +30,5 @@ class FeaturesConfig:
                 raise ValueError(f"features.{name} must be >= 1, got {getattr(self, name)}")
         if not 16 <= self.max_seq_length <= 512:
             raise ValueError(f"features.max_seq_length must be in [16, 512], got {self.max_seq_length}")
+        if not self.entity_types or any(not t or "-" in t for t in self.entity_types):
+            raise ValueError(f"features.entity_types must be non-empty names without '-', got {self.entity_types}")

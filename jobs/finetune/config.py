@@ -54,14 +54,18 @@ class FinetuneConfig:
                 raise ValueError(f"finetune.{name} must be >= 1, got {getattr(self, name)}")
         if not self.learning_rates or any(lr <= 0 for lr in self.learning_rates):
             raise ValueError(f"finetune.learning_rates must be positive and non-empty, got {self.learning_rates}")
-        if not self.seeds:
-            raise ValueError("finetune.seeds must name at least one seed")
+        if not self.seeds or any(not 0 <= seed < 2**32 for seed in self.seeds):
+            raise ValueError(f"finetune.seeds must name at least one seed, each in [0, 2**32), got {list(self.seeds)}")
         if not 0.0 <= self.warmup_proportion < 1.0:
             raise ValueError(f"finetune.warmup_proportion must be in [0, 1), got {self.warmup_proportion}")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"finetune.dropout must be in [0, 1) or null, got {self.dropout}")
-        if self.max_seq_length < 8:
-            raise ValueError(f"finetune.max_seq_length must be >= 8, got {self.max_seq_length}")
+        if not 8 <= self.max_seq_length <= 512:  # 512: BERT's position table
+            raise ValueError(f"finetune.max_seq_length must be in [8, 512], got {self.max_seq_length}")
+        # A zero epsilon divides by zero on a parameter whose gradient is zero; a zero norm zeroes every update.
+        for name in ("adam_epsilon", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"finetune.{name} must be > 0, got {getattr(self, name)}")
         from bertpipe.jobs.finetune.glue_tasks import get_task
 
         for task in self.tasks:

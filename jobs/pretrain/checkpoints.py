@@ -60,6 +60,23 @@ def latest_checkpoint(storage_path: str, name: str, cfg: PretrainConfig) -> str 
     return best[1] if best else None
 
 
+STOPPED_FILE = "stopped.json"  # why the workers stopped training on purpose (a non-finite loss), for the driver
+
+
+def stop_marker(storage_path: str, name: str) -> str:
+    return storage.join(storage_path, name, STOPPED_FILE)
+
+
+def take_stop_reason(storage_path: str, name: str) -> str:
+    """The reason the workers left in the run folder, removed as it is read ('' when they finished normally)."""
+    marker = stop_marker(storage_path, name)
+    if not storage.exists(marker):
+        return ""
+    reason = json.loads(storage.read_text(marker))["reason"]
+    storage.delete_file(marker)
+    return reason
+
+
 def save_and_report(engine, position: dict, metrics: dict) -> None:
     """Every rank saves its own DeepSpeed files (ZeRO shards differ per rank); Ray merges them into one checkpoint."""
     import ray.train

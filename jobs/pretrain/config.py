@@ -25,6 +25,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.preset not in MODEL_PRESETS:
             raise ValueError(f"model.preset {self.preset!r} is not one of {list(MODEL_PRESETS)}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +189,14 @@ def validate(cfg: PretrainConfig) -> None:
             bad(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.eval_every_steps < 0 or cfg.max_failures < 0 or cfg.shuffle_buffer_rows < 0:
         bad("eval_every_steps, max_failures and shuffle_buffer_rows must be >= 0")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            bad(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
+    if cfg.eps <= 0:
+        bad(f"eps must be > 0, got {cfg.eps}")
+    for name in ("weight_decay", "gradient_clipping"):  # gradient_clipping 0 = off
+        if getattr(cfg, name) < 0:
+            bad(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if not 0.0 < cfg.masked_lm_prob < 1.0:
         bad(f"masked_lm_prob must be in (0, 1), got {cfg.masked_lm_prob}")
     if cfg.decay_power <= 0:
@@ -200,8 +211,9 @@ def validate(cfg: PretrainConfig) -> None:
         previous = ph.max_seq_length
         if not 1 <= ph.max_predictions_per_seq <= ph.max_seq_length:
             bad(f"{where}.max_predictions_per_seq must be in [1, max_seq_length], got {ph.max_predictions_per_seq}")
-        if ph.micro_batch_size < 1 or ph.global_batch_size < 1:
-            bad(f"{where}: batch sizes must be >= 1")
+        for name in ("micro_batch_size", "global_batch_size"):
+            if getattr(ph, name) < 1:
+                bad(f"{where}.{name} must be >= 1, got {getattr(ph, name)}")
         per_step = ph.micro_batch_size * cfg.num_workers
         if ph.global_batch_size % per_step:
             bad(f"{where}.global_batch_size {ph.global_batch_size} is not divisible by num_workers × "

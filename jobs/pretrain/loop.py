@@ -10,6 +10,7 @@ uninterrupted run computes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -29,13 +30,13 @@ from bertpipe.jobs.pretrain.meter import Meter, NonFiniteError, all_sum
 from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
 from bertpipe.jobs.pretrain import zero_fast_paths
 from bertpipe.jobs.tracking import RunLogger
+from bertpipe.pipeline import storage
 from bertpipe.model.training import param_groups
 from bertpipe.pipeline.progress import Reporter
 
 log = logging.getLogger("bertpipe.pretrain")
 # The training figures of a logging window that go into the curves.
 CURVE_KEYS = ("loss", "mlm_loss", "mlm_accuracy", "nsp_accuracy")
-STOPPED = "stopped"  # the metric a worker reports when training must not go on (its value: the reason)
 EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase
 
 
@@ -75,6 +76,7 @@ class Worker:
     device: Any
     run: RunLogger
     compiled: bool = False  # the first step of a compiled model has run (it compiled)
+    eval_compiled: bool = False  # the same for evaluation (eval mode and its batch shape compile apart)
     # Logged windows and held-out evaluations, {"step": .., figure: ..}: the curves the driver draws. Saved in every
     # checkpoint, so a resumed run's curves start at step 1 too.
     history: list[dict[str, float]] = field(default_factory=list)
@@ -188,6 +190,9 @@ def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict
 
     shard = ray.train.get_dataset_shard(f"heldout_{phase.max_seq_length}")
     spec = masking_spec(w, phase, training_masks)
+    if compile_enabled(w.spec.pretrain) and not w.eval_compiled and w.rank == 0:
+        w.spec.progress.set(w.engine.global_steps, status="compiling the model for evaluation (first evaluation)")
+    w.eval_compiled = True
     sums = dict.fromkeys(("mlm_correct", "mlm_count", "nsp_correct", "sequences", "mlm_loss"), 0.0)
     w.engine.eval()
     totals = None
@@ -350,11 +355,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         for phase_index in range(len(spec.pretrain.phases)):
             position, last = run_phase(w, phase_index, position, last)
     except NonFiniteError as exc:
-        # Every rank read the same all-reduced health at the same window, so all stop here together. Reported,
-        # not raised: a retry from the last checkpoint would only meet the same NaN again.
-        import ray.train
-
-        ray.train.report({STOPPED: str(exc), "step": w.engine.global_steps})
+        # Every rank read the same all-reduced health at the same window, so all stop here together. Left for the
+        # driver in the run folder, not raised: Ray Train would retry from the last checkpoint and meet the same
+        # NaN again.
+        if w.rank == 0:
+            storage.write_text_atomic(checkpoints.stop_marker(spec.storage_path, spec.run_name),
+                                      json.dumps({"reason": str(exc), "step": w.engine.global_steps}))
+        dist.barrier()
         return
     steps = spec.pretrain.phase_steps()
     final_phase = spec.pretrain.phases[-1] if steps[-1] else spec.pretrain.phases[0]

@@ -205,8 +205,8 @@ def _segment_sums(p: torch.Tensor, update: torch.Tensor, pieces: Pieces) -> torc
     sums = torch.zeros(pieces.layout.num_params, 2, dtype=torch.float32, device=p.device)
     if not pieces.layout.segments:
         return sums
-    per_piece = torch.stack([torch.segment_reduce(p.float().square(), "sum", lengths=pieces.lengths),
-                             torch.segment_reduce(update.square(), "sum", lengths=pieces.lengths)], 1)
+    per_piece = torch.stack([torch.segment_reduce(p.float().square(), "sum", lengths=pieces.lengths, unsafe=True),
+                             torch.segment_reduce(update.square(), "sum", lengths=pieces.lengths, unsafe=True)], 1)
     return sums.index_add_(0, pieces.owner, per_piece.index_select(0, pieces.held))
 
 

@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint
+from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning, validate
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
-from bertpipe.jobs.pretrain.loop import STOPPED, WorkerSpec, train_loop_per_worker
+from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
 from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.pipeline import storage
@@ -222,8 +222,9 @@ def run_stage(ctx: StageContext) -> StageResult:
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     with remote_progress("pretrain", cfg.max_steps, "steps", _describe) as progress:
         result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
-    if (result.metrics or {}).get(STOPPED):
-        raise NonFiniteError(str(result.metrics[STOPPED]))
+    stopped = take_stop_reason(storage_path, spec.run_name)
+    if stopped:
+        raise NonFiniteError(stopped)
     metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
     base, learning_files = write_learning(ctx, cfg, spec.vocab_tokens, (result.metrics or {}).get("history", []), run)
     metrics.update(base)

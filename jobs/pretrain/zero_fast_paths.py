@@ -7,7 +7,7 @@ GPU — once per param group per step. `install` replaces both methods on one op
 
 - the norm: one `torch._foreach_norm` over the gradients (multi-tensor kernels on CUDA), accumulated in the same
   dtype as DeepSpeed's, same filter (no alignment padding, no pipeline-replicated or model-parallel duplicates),
-  same all-reduces and the same -1 sentinel for a non-finite norm;
+  same all-reduces and the same -1 sentinel for a non-finite norm (chosen on the device);
 - the clip factor: DeepSpeed's arithmetic with the invalid-norm case chosen on the device (`torch.where`).
 
 Only the plain layout is touched (no optimizer offload, no MoE, no Muon); anything else keeps DeepSpeed's code.
@@ -30,13 +30,13 @@ def _grad_norm(self, gradients, params, norm_type=2):
     """Drop-in for DeepSpeedZeroOptimizer.get_grad_norm_direct (L2 only; other norms go to DeepSpeed's)."""
     from deepspeed import comm as dist
     from deepspeed.runtime.constants import PIPE_REPLICATED
-    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.utils import is_model_parallel_parameter
     from deepspeed.runtime.zero.utils import get_norm_dtype
 
     if float(norm_type) != 2.0:
         return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
     grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
-    picked = [g.detach() for g, p in zip(grads, params)
+    picked = [g for g, p in zip(grads, params)
               if not (hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated)
               and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
     if picked:
@@ -47,8 +47,9 @@ def _grad_norm(self, gradients, params, norm_type=2):
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
     total = total.pow(0.5)
-    mask_nan_or_inf_with_val_inplace(total, device=self.device)
-    return total
+    # DeepSpeed's sentinel for a non-finite norm, without mask_nan_or_inf_with_val_inplace: its masked_fill_ with
+    # a tensor value reads that value to the host.
+    return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
 
 
 def _unscale_and_clip(self, grad_groups_flat, total_norm):
