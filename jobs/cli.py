@@ -6,12 +6,11 @@ import json
 import logging
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
+from bertpipe.jobs import causes, interrupts
 from bertpipe.jobs.configtools import ConfigError
 from bertpipe.pipeline import redact
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -32,25 +31,57 @@ def _config(args):
     return load_config(args.config, args.overrides, args.workdir)
 
 
+class _RunLogFile(logging.FileHandler):
+    """The run's log file. A record it cannot write (the disk is full) is dropped silently instead of logging's
+    "--- Logging error ---" and a traceback on stderr per record; `failed` says the file is incomplete."""
+
+    failed = ""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self.failed = self.failed or str(sys.exc_info()[1] or "write error")
+
+
 def _log_file(workdir: str) -> str:
     """Every run also logs, with tracebacks, to <workdir>/logs/run-<time>.log (local workdirs)."""
     if "://" in workdir:
         return ""
     path = os.path.join(WorkdirPaths(workdir).logs, time.strftime("run-%Y%m%d-%H%M%S.log"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = _RunLogFile(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     return path
 
 
-def _resume_command(args, stage: str) -> str:
+def _log_line(log_path: str) -> str:
+    failed = next((h.failed for h in logging.getLogger().handlers if isinstance(h, _RunLogFile) and h.failed), "")
+    incomplete = f" (incomplete: {redact.mask(failed)})" if failed else ""
+    return f"full log, with the traceback: {log_path}{incomplete}"
+
+
+def _resume_command(args, stage: str | None) -> str:
+    """The command that resumes from `stage`; with no stage (the run failed before its first one), the command
+    as it was given."""
     parts = ["bertpipe", "run", "--config", args.config]
     if args.workdir:
         parts += ["--workdir", args.workdir]
     for item in args.overrides:
         parts += ["--set", item]
-    return shlex.join(parts + ["--from", stage])
+    if stage:
+        return shlex.join(parts + ["--from", stage])
+    for item in args.only or []:
+        parts += ["--only", item]
+    return shlex.join(parts + (["--from", args.start] if args.start else []) + (["--force"] if args.force else []))
+
+
+def _closing_lines(args, log_path: str, first: str, stage: str | None) -> None:
+    """The three lines a run that failed or was stopped ends with: what happened, the log, how to resume."""
+    from bertpipe.jobs import console
+
+    console.error(first)
+    if log_path:
+        console.error(_log_line(log_path))
+    console.error(f"after fixing it, resume with: {_resume_command(args, stage)}")
 
 
 def cmd_run(args) -> int:
@@ -68,11 +99,16 @@ def cmd_run(args) -> int:
 
 
 def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
-    from bertpipe.jobs import console, workflow
+    from bertpipe.jobs import console, tracking, workflow
     from bertpipe.jobs.config import resolved_tracking_uri
     from bertpipe.pipeline import progress
 
     plans = workflow.preflight(cfg, selected)  # bad input: one line, nothing written
+    # An MLflow server that does not answer: one line now, rather than a traceback after MLflow's retries.
+    unreachable = tracking.check_server(resolved_tracking_uri(cfg), cfg.mlflow.experiment)
+    if unreachable:
+        raise StageInputError(f"{unreachable}; start it, point mlflow.tracking_uri (or MLFLOW_TRACKING_URI) at one "
+                              "that runs, or set mlflow.tracking_uri=off")
     log_path = _log_file(cfg.workdir)
     config_name = Path(args.config).stem
     console.header(cfg, config_name, resolved_tracking_uri(cfg), selected, log_path)
@@ -82,12 +118,20 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
                                config_name=config_name, plans=plans)
     except workflow.StageFailed as exc:
         # INFO: into the log file with its traceback; the console gets the three lines below instead.
-        logging.getLogger("bertpipe").info("%s", exc, exc_info=exc.cause)
-        console.error(f"stage {exc.stage} failed: {_first_line(exc.cause)}")
-        if log_path:
-            console.error(f"full log, with the traceback: {log_path}")
-        console.error(f"after fixing it, resume with: {_resume_command(args, exc.stage)}")
+        logging.getLogger("bertpipe").info("%s", causes.strip_ansi(str(exc)), exc_info=exc.cause)
+        _closing_lines(args, log_path, f"stage {exc.stage} failed: {causes.first_line(exc.cause)}", exc.stage)
         return 2 if isinstance(exc.cause, (ConfigError, StageInputError)) else 1
+    except KeyboardInterrupt as exc:  # SIGINT, SIGTERM, SIGHUP (jobs/interrupts.py): cleaned up on the way here
+        stage = getattr(exc, "stage", None)
+        logging.getLogger("bertpipe").info("run stopped: %s", interrupts.describe(exc), exc_info=exc)
+        _closing_lines(args, log_path, f"{f'stage {stage}' if stage else 'run'} {interrupts.describe(exc)}", stage)
+        return interrupts.exit_code(exc)
+    except (ConfigError, StageInputError):
+        raise  # bad input found by the workflow itself: one line (main)
+    except Exception as exc:  # noqa: BLE001 - outside any stage (the MLflow store on a full disk, say): same lines
+        logging.getLogger("bertpipe").info("run failed outside its stages", exc_info=exc)
+        _closing_lines(args, log_path, f"run failed before or between its stages: {causes.first_line(exc)}", None)
+        return 1
     console.summary(summary)
     report = WorkdirPaths(cfg.workdir).stage("finetune")
     if "finetune" in selected and "://" not in report and os.path.isfile(os.path.join(report, "summary.md")):
@@ -159,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     # Credentials in URIs or NAME=value pairs are masked in every log record and in a traceback Python prints.
     redact.install_log_masking()
     redact.install_excepthook()
-    _exit_cleanly_on(signal.SIGTERM, signal.SIGHUP)
+    # SIGINT / SIGTERM / SIGHUP end the run through an exception, so every cleanup runs (exit 128 + signal).
+    interrupts.install()
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     try:
@@ -167,21 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, StageInputError, ValueError, WorkdirBusy) as exc:
         print(f"bertpipe: error: {redact.mask(_first_line(exc))}", file=sys.stderr)
         return 2
-
-
-def _exit_cleanly_on(*signals: int) -> None:
-    """SIGTERM (and a closed terminal's SIGHUP) end the process through SystemExit instead of on the spot, so every
-    `finally` runs: the workdir lock is released and the stage's MLflow run is closed. Exit status 128 + signal, as
-    a shell reports a process killed by it. (A local Ray replaces the SIGTERM handler with its own, which also
-    exits through SystemExit.)"""
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    if threading.current_thread() is not threading.main_thread():
-        return  # main() called from a thread (an embedding program): signals are its owner's business
-    for sig in signals:
-        if signal.getsignal(sig) == signal.SIG_DFL:  # an ignored one stays ignored (`nohup bertpipe run` ignores HUP)
-            signal.signal(sig, handler)
+    except KeyboardInterrupt as exc:  # before the run had a log file (preflight, the lock): one line
+        print(f"bertpipe: {interrupts.describe(exc)}", file=sys.stderr)
+        return interrupts.exit_code(exc)
 
 
 def _configure_logging(verbose: bool) -> None:

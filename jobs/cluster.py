@@ -3,6 +3,9 @@
 Quiet by default: worker output is not forwarded to the console (it stays in Ray's session logs), Ray Data's
 per-operator progress bars are off and Ray's own loggers show warnings only; the project prints its own progress.
 `verbose` (the CLI's --verbose) turns all of it back on.
+
+`stop_writers()` is what a failed or interrupted run calls before it removes its temporary files: the Ray this run
+started is shut down and its worker processes are gone when it returns, so no task of the run writes after that.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from bertpipe.jobs import console
+from bertpipe.jobs import console, interrupts
 
 log = logging.getLogger(__name__)
 
@@ -20,11 +23,22 @@ WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 NOISY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air")
+# How this process came to Ray, set by ensure_ray: "local" (it started a local Ray), "cluster" (it connected), or
+# "" (Ray was already initialised by whoever called us, a test session say: not ours to stop).
+_started = ""
 
 
 def quiet_ray_loggers(verbose: bool) -> None:
+    import ray.data  # noqa: F401 - importing it (re)configures its loggers: first, so that what follows sticks
+
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.ERROR)
+    # Ray Data logs a failed task's error with its user-code traceback on a console handler of its own (the logger
+    # does not propagate): the CLI prints the cause in one line instead, the run's log file has the traceback, and
+    # Ray's session log (logs/ray-data/) keeps Ray Data's own record.
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.INFO if verbose else logging.CRITICAL + 1)
 
 
 def ensure_private_token() -> Path | None:
@@ -56,6 +70,7 @@ def ensure_private_token() -> Path | None:
 def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True, verbose: bool = False) -> None:
     import ray
 
+    global _started
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS", "")
@@ -75,8 +90,60 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True, ver
         ensure_private_token()
         info = ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
                         runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=verbose, logging_level=level)
+    _started = "cluster" if address else "local"
+    interrupts.reinstall()  # ray.init replaced the SIGTERM handler with one that aborts (exit 134)
     quiet_ray_loggers(verbose)
     data = ray.data.DataContext.get_current()
     data.enable_progress_bars = verbose
     data.print_on_execution_start = verbose
     console.ray_started(getattr(info, "dashboard_url", "") or "", address)
+
+
+def stop_writers(timeout_s: float = 30.0) -> None:
+    """Stop every task this run has in flight, before its temporary files are removed.
+
+    A local Ray this process started: shut down, waiting for Ray's own processes to exit, then for every worker the
+    raylet had started (the processes that run tasks and write files); one still alive after `timeout_s` is killed.
+    A cluster: the driver disconnects, which ends the job; the cluster then kills the job's workers itself, soon but
+    asynchronously, so a task may still finish a write after this returns (its temporary name is removed by the
+    next run of the stage). A Ray this process did not start is left running: its owner decides."""
+    global _started
+    import ray
+
+    if not _started or not ray.is_initialized():
+        return
+    workers = _local_ray_descendants() if _started == "local" else []
+    log.info("stopping the run's Ray tasks: ray.shutdown() (%s, %d worker processes)", _started, len(workers))
+    ray.shutdown(wait_for_processes=True)
+    _started = ""
+    _wait_gone(workers, timeout_s)
+
+
+def _local_ray_descendants() -> list:
+    """Every process below the local Ray's own (raylet, GCS, dashboard...): the raylet's workers among them."""
+    import psutil
+    import ray
+
+    node = ray._private.worker._global_node  # no public API names the raylet of a local Ray
+    procs = []
+    for info in (getattr(node, "all_processes", None) or {}).values():
+        for proc in info:
+            try:
+                procs += psutil.Process(proc.process.pid).children(recursive=True)
+            except (psutil.Error, AttributeError):
+                continue
+    return procs
+
+
+def _wait_gone(procs: list, timeout_s: float) -> None:
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for proc in alive:  # the run's own workers, by pid: nothing else is touched
+        log.info("Ray worker %d still running %.0f s after shutdown: killing it", proc.pid, timeout_s)
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    if alive:
+        psutil.wait_procs(alive, timeout=5)

@@ -12,16 +12,31 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
+from bertpipe.jobs.causes import strip_ansi
 from bertpipe.jobs.configtools import to_dict
 from bertpipe.pipeline.redact import mask, mask_data
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for one param value
 PARAM_BATCH, METRIC_BATCH = 100, 1000  # MLflow's log_batch limits
+SERVER_CHECK_TIMEOUT_S = 5.0  # `check_server`: a tracking server that has not answered by then is not usable
+log = logging.getLogger(__name__)
+
+
+def _best_effort(call, *args) -> Any:
+    """call(*args), or None when it raised (logged, with the traceback, into the run's log file only: the console
+    is the failure's). Returns True for a call that returns None."""
+    try:
+        result = call(*args)
+    except Exception as exc:  # noqa: BLE001 - whatever the store says, the run's own error is the one to report
+        log.info("mlflow: %s failed: %s", getattr(call, "__name__", call), mask(str(exc)), exc_info=True)
+        return None
+    return True if result is None else result
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -154,10 +169,34 @@ class RunLogger:
         return monitor
 
     def fail(self, exc: BaseException, traceback_text: str) -> None:
-        """Mark the run FAILED with the error as a tag and the traceback as an artifact."""
-        self.set_tag("bertpipe.error", f"{type(exc).__name__}: {exc}"[:5000])
-        self.log_bytes(mask(traceback_text).encode(), "traceback.txt")
-        self.end(False)
+        """Mark the run FAILED with the error as a tag and the traceback as an artifact. Best effort, each step on
+        its own: this runs while a stage fails, maybe because the disk that holds the store is full, and must not
+        replace the stage's error with its own."""
+        cause = strip_ansi(f"{type(exc).__name__}: {exc}")[:5000]
+        _best_effort(self.set_tag, "bertpipe.error", cause)
+        _best_effort(self.log_bytes, mask(strip_ansi(traceback_text)).encode(), "traceback.txt")
+        _best_effort(self.end, False)
+
+    def kill(self, reason: str) -> bool:
+        """Mark the run KILLED (a signal stopped it), and every run below it still RUNNING. Best effort."""
+        if not self.active:
+            return True
+        tagged = _best_effort(self.set_tag, "bertpipe.error", reason)
+        killed = _best_effort(kill_run_tree, self.coordinates["tracking_uri"], self.run_id)
+        return bool(tagged) and killed is not None
+
+    def close(self, outcome: str, metrics: dict[str, float]) -> bool:
+        """End a workflow run: its headline metrics, the tag bertpipe.status = outcome (succeeded / failed /
+        killed), and the matching status (KILLED also for the runs below it that are still RUNNING). Best effort;
+        True when all of it reached the store."""
+        if not self.active:
+            return True
+        done = [_best_effort(self.log_metrics, metrics), _best_effort(self.set_tag, "bertpipe.status", outcome)]
+        if outcome == "killed":
+            done.append(_best_effort(kill_run_tree, self.coordinates["tracking_uri"], self.run_id) is not None)
+        else:
+            done.append(_best_effort(self.end, outcome == "succeeded"))
+        return all(done)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():
@@ -192,3 +231,71 @@ def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config
     parent.log_params(config)
     parent.log_dict(config, "resolved_config.json")
     return parent
+
+
+def kill_run_tree(tracking_uri: str, run_id: str) -> list[str]:
+    """Mark `run_id` and every run below it (nested through `mlflow.parentRunId`, fine-tuning's trials included)
+    that is still RUNNING as KILLED; returns the ids it marked. Runs already ended keep their status."""
+    client = _client(tracking_uri)
+    root = client.get_run(run_id)
+    experiment = root.info.experiment_id
+    marked, frontier = [], [root]
+    while frontier:
+        run = frontier.pop()
+        if run.info.status == "RUNNING":
+            client.set_terminated(run.info.run_id, "KILLED")
+            marked.append(run.info.run_id)
+        frontier += client.search_runs([experiment], f"tags.mlflow.parentRunId = '{run.info.run_id}'",
+                                       max_results=10000)
+    return marked
+
+
+def close_abandoned(tracking_uri: str, run_id: str, why: str) -> list[str]:
+    """A workflow run whose driver ended without closing it (kill -9, a lost machine): it and every run below it
+    still RUNNING become KILLED, the workflow run tagged with `why`. Returns the ids marked."""
+    marked = kill_run_tree(tracking_uri, run_id)
+    if run_id in marked:
+        client = _client(tracking_uri)
+        client.set_tag(run_id, "bertpipe.status", "killed")
+        client.set_tag(run_id, "bertpipe.error", mask(why))
+    return marked
+
+
+def check_server(tracking_uri: str, experiment: str, timeout_s: float = SERVER_CHECK_TIMEOUT_S) -> str:
+    """For an http(s) tracking URI: "" when an MLflow server answers there, else why not, in one line. One request,
+    no retries, `timeout_s` to connect and as much to answer: the first call MLflow makes for a run (the experiment
+    by name), with the credentials MLflow itself would send. Other stores (a SQLite file) are not checked here."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return ""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    where = f"the MLflow server at {mask(tracking_uri)}"
+    try:
+        response = http_request(get_default_host_creds(tracking_uri), "/api/2.0/mlflow/experiments/get-by-name",
+                                "GET", max_retries=0, timeout=timeout_s, raise_on_status=False,
+                                params={"experiment_name": experiment})
+    except MlflowException as exc:
+        return f"{where} does not answer ({_connection_problem(exc, timeout_s)})"
+    if response.status_code == 200:
+        return ""
+    try:
+        code = response.json().get("error_code", "")
+    except ValueError:
+        code = ""
+    if response.status_code == 404 and code == "RESOURCE_DOES_NOT_EXIST":
+        return ""  # a server that does not know the experiment yet: the run creates it
+    if response.status_code in (401, 403):
+        return f"{where} refuses this run's credentials (HTTP {response.status_code}{', ' + code if code else ''})"
+    return (f"{where} answers HTTP {response.status_code}{' ' + code if code else ''} to an MLflow API request: "
+            "is it an MLflow tracking server?")
+
+
+def _connection_problem(exc: Exception, timeout_s: float) -> str:
+    import requests
+
+    if isinstance(exc.__cause__, requests.exceptions.Timeout) or "timeout" in str(exc).lower():
+        return f"no answer within {timeout_s:g} s"
+    errno = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", str(exc))
+    return errno.group(1).strip() if errno else mask(str(exc).splitlines()[0])[:300]

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from bertpipe.jobs import console
+from bertpipe.jobs import console, run_record
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.pipeline import outputs, storage
+from bertpipe.pipeline import outputs, parts, storage
+from bertpipe.jobs.interrupts import describe as describe_interrupt
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.identity import describe_tree
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -274,7 +275,8 @@ def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
     rows, states = [], {}
     for stage in STAGES:
         manifest, gone = state[stage.name]
-        if stage.opt_in and manifest is None and not gone:
+        kept = parts.count(stage_uri(cfg, stage.name))  # trials a failed run finished: the stage is not committed
+        if stage.opt_in and manifest is None and not gone and not kept:
             continue
         try:
             plan = _plan(cfg, stage, state, set())
@@ -285,6 +287,8 @@ def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
             st, problem = "broken", "; ".join(gone[:5]) + (f"; {len(gone) - 5} more" if len(gone) > 5 else "")
         elif manifest is None:
             st = "missing"
+            if kept and not problem:
+                problem = f"a failed run kept {kept} finished trial(s); `bertpipe run` runs the rest and commits"
         elif manifest.get("fingerprint") != expected or any(
                 states.get(n, "fresh") != "fresh" for n in needed_inputs(cfg, stage)
                 if n not in explicit_inputs(cfg, stage)):
@@ -328,14 +332,19 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     plans = plans if plans is not None else preflight(cfg, selected)
     name = config_name or "custom"
     code = git_tags()  # once per run: every run of the workflow and every manifest names the same code
+    # Runs that an earlier run of this workdir left RUNNING (its driver was killed) become KILLED; this run's own
+    # id is recorded until it is closed, for the next run to do the same (jobs/run_record.py).
+    run_record.close_left_running(cfg.workdir, resolved_tracking_uri(cfg), lambda line: console.error(f"note: {line}"))
     parent = start_workflow_run(resolved_tracking_uri(cfg), cfg.mlflow.experiment,
                                 cfg.mlflow.run_name or f"{name} {time.strftime('%Y-%m-%d %H:%M:%S')}",
                                 config_as_dict(cfg), {"bertpipe.stages": ",".join(selected),
                                                       "bertpipe.config": name, **code},
                                 artifact_root=WorkdirPaths(cfg.workdir).mlflow_artifacts)
+    if parent.active:
+        run_record.remember(cfg.workdir, resolved_tracking_uri(cfg), parent.run_id)
     registered = cfg.mlflow.registered_model or f"bertpipe-{name}"
     summary: list[dict[str, Any]] = []
-    ok = False
+    ok, outcome = False, "failed"
     try:
         for k, stage_name in enumerate(selected, 1):
             summary.append(_run_or_skip(cfg, plans[stage_name], parent, force, (k, len(selected)), verbose,
@@ -345,11 +354,15 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
                 if stage_name in later.inputs and not later.inputs[stage_name].explicit:
                     uri = stage_uri(cfg, stage_name)
                     later.inputs[stage_name] = StageInput(stage_name, uri, read_manifest(uri))
-        ok = True
+        ok, outcome = True, "succeeded"
+    except KeyboardInterrupt:
+        outcome = "killed"  # SIGINT / SIGTERM (jobs/interrupts.py): KILLED, not FAILED
+        raise
     finally:
-        parent.log_metrics(headline_metrics(cfg))
-        parent.set_tag("bertpipe.status", "succeeded" if ok else "failed")
-        parent.end(ok)
+        # Best effort: the store may be on the disk whose filling failed the stage. A run not closed stays in the
+        # record, and the next run of the workdir closes it.
+        if parent.close(outcome, headline_metrics(cfg)) and parent.active:
+            run_record.forget(cfg.workdir, parent.run_id)
     return summary
 
 
@@ -372,8 +385,12 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
         "--force" if force else f"broken: {gone[0]}" if gone else "stale: config or inputs changed") + ")")
     monitor = run.system_metrics() if stage.training else None
     try:
-        manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code))
+        manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code), keep_parts=not force)
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):  # a signal: the run is KILLED, and the CLI says in which stage
+            run.kill(f"{describe_interrupt(exc)} while stage {stage.name} ran")
+            exc.stage = stage.name
+            raise
         run.fail(exc, traceback.format_exc())
         if isinstance(exc, Exception):
             raise StageFailed(stage.name, exc) from exc
@@ -385,7 +402,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
 
 
 def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bool, registered: str,
-               version: str) -> dict[str, Any]:
+               version: str, keep_parts: bool = True) -> dict[str, Any]:
     from bertpipe.jobs.cluster import ensure_ray
 
     stage = plan.stage
@@ -393,7 +410,11 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     started = time.time()
     # Uncommits the folder (its manifest goes first, so a crash never leaves a committed half-output) and deletes
     # only what earlier runs of this stage wrote; anything else there stops the run, nothing deleted.
-    run_id = outputs.claim(uri, stage.name)
+    # Trials a failed run of the stage finished stay (pipeline/parts.py): the stage reuses those of the same config.
+    run_id = outputs.claim(uri, stage.name, keep_parts)
+    kept = parts.count(uri)
+    if kept:
+        console.say(f"  {stage.name}: {kept} finished trial(s) kept by a failed run, reused where the config matches")
     try:
         ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
         ctx = _context(cfg, stage, plan.inputs, run, registered)
@@ -410,7 +431,7 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
             started=started, code_version=version,
         )
     except BaseException:
-        outputs.record_failure(uri, run_id)  # so the next run may delete what this one left
+        _after_failure(uri, run_id)
         raise
     outputs.release(uri)
     # Only the final figures the stage did not log into its run itself (no duplicate MLflow points).
@@ -422,6 +443,19 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     run.end(True)
     console.say(f"  {stage.name} done: {manifest['num_rows']:,} rows in {manifest['seconds']:.1f} s")
     return manifest
+
+
+def _after_failure(uri: str, run_id: str) -> None:
+    """A stage failed or was interrupted: stop its writers first (Ray tasks of this run go on writing otherwise),
+    then remove its temporary files (a full disk gets its space back), then record what it left so the next run
+    may delete it. Each step best effort: the stage's own error is the one to report."""
+    from bertpipe.jobs.cluster import stop_writers
+
+    for step, args in ((stop_writers, ()), (outputs.remove_temps, (uri,)), (outputs.record_failure, (uri, run_id))):
+        try:
+            step(*args)
+        except Exception:  # noqa: BLE001
+            log.info("after the failure of %s: %s failed", uri, step.__name__, exc_info=True)
 
 
 def _json(data: Any) -> str:

@@ -12,6 +12,9 @@ remove. An empty folder nobody claims is left where it is; folders emptied by th
 The record (`_RUN.json`) is written before the first deletion and lists what the run may delete, so a run that
 dies while cleaning up leaves the next one enough to finish; a run that fails rewrites it with every file it left.
 A driver killed outright (SIGKILL) cannot: the next run then names a file it left, and a person decides.
+
+Trials that a failed run finished and committed under `_trials/` (pipeline/parts.py) are neither deleted nor
+foreign: the next run of the same config reuses them (`--force` drops them).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import time
 import uuid
 from typing import Any
 
-from bertpipe.pipeline import storage
+from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import BOOKKEEPING, MANIFEST_NAME, RUN_NAME, StageInputError, safe_relative
 
 log = logging.getLogger(__name__)
@@ -75,10 +78,12 @@ def _listed_paths(uri: str, name: str, *keys: str) -> set[str]:
 
 
 def _survey(uri: str) -> tuple[list[str], list[str]]:
-    """(files a rerun may delete, files it must not touch) in the folder, each sorted."""
+    """(files a rerun may delete, files it must not touch) in the folder, each sorted. Trials a failed run kept
+    (pipeline/parts.py) are in neither: the stage reuses or drops them itself."""
+    kept = parts.kept_files(uri)
     owned = (_listed_paths(uri, MANIFEST_NAME, "files", "outputs") | _listed_paths(uri, RUN_NAME, "files")
              | set(BOOKKEEPING))
-    files = [p for p, _ in storage.list_all(uri)[0]]
+    files = [p for p, _ in storage.list_all(uri)[0] if p not in kept]
     ours = [p for p in files if p in owned or storage.is_temp(p)]
     return ours, [p for p in files if p not in ours]
 
@@ -93,10 +98,13 @@ def refuse_foreign(uri: str, stage: str) -> None:
             f"(its manifest does not list it): move it out of {uri}; nothing was deleted")
 
 
-def claim(uri: str, stage: str) -> str:
-    """Make `uri` ready for a new run of `stage`: uncommit it and delete what earlier runs of the stage wrote.
+def claim(uri: str, stage: str, keep_parts: bool = True) -> str:
+    """Make `uri` ready for a new run of `stage`: uncommit it and delete what earlier runs of the stage wrote, except
+    the trials a failed run kept (unless not `keep_parts`: `--force` recomputes everything).
     Returns the run's id (for `record_failure`). ForeignFilesError, before any deletion, if anything else is there."""
     refuse_foreign(uri, stage)
+    if not keep_parts:
+        parts.drop_all(uri)  # refuse_foreign passed: everything under _trials/ is a kept trial or listed as ours
     ours = [p for p in _survey(uri)[0] if p != RUN_NAME]
     run_id = uuid.uuid4().hex[:12]
     record = {"run_id": run_id, "stage": stage, "started_at": time.time(), "host": socket.gethostname(),
@@ -143,7 +151,8 @@ def record_failure(uri: str, run_id: str) -> None:
         record = json.loads(storage.read_text(record_uri))
         if not isinstance(record, dict) or record.get("run_id") != run_id:
             return  # not our record: claim() refused before writing one
-        files = [p for p, _ in storage.list_all(uri)[0] if p not in BOOKKEEPING]
+        kept = parts.kept_files(uri)  # the stage's committed trials: the next run reuses them, never deletes them
+        files = [p for p, _ in storage.list_all(uri)[0] if p not in BOOKKEEPING and p not in kept]
         record.update(files=files, failed_at=time.time())
         storage.write_text_atomic(record_uri, json.dumps(record, indent=2))
     except (OSError, ValueError) as exc:

@@ -4,6 +4,8 @@ The session's local Ray (conftest `ray_local`) runs `install` in every worker pr
 `worker_process_setup_hook`. `install` wraps the pre-training loop's `train_step` so that, once a test has armed a
 plan (a JSON file in a folder named by an environment variable only this helper reads), the chosen rank dies with
 os._exit(1) right after the chosen optimizer step — once: a marker file keeps the retry (or the rerun) alive.
+It also wraps the downstream fan-out's trial (SQuAD, NER): armed with a learning rate, the trial of that learning
+rate raises once, as a trial that hits a bug or runs out of memory would.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 FAULT_DIR_ENV = "BERTPIPE_TEST_FAULT_DIR"
 PLAN, FIRED = "plan.json", "fired"
+TRIAL_PLAN = "trial-plan.json"
 
 
 def install() -> None:
@@ -34,6 +37,24 @@ def install() -> None:
         return out
 
     loop.train_step = train_step
+    _wrap_trials(folder)
+
+
+def _wrap_trials(folder: str) -> None:
+    """The Ray task of a downstream trial, resolved by name on the worker, raises once for the armed rate."""
+    from bertpipe.jobs.downstream import fanout
+
+    original = fanout._remote_body
+
+    def _remote_body(body, model_files, data, lr, seed, recipe, coordinates):
+        plan_file, marker = os.path.join(folder, TRIAL_PLAN), os.path.join(folder, FIRED)
+        if os.path.exists(plan_file) and not os.path.exists(marker):
+            if lr == json.loads(Path(plan_file).read_text())["learning_rate"]:
+                Path(marker).touch()
+                raise RuntimeError(f"injected fault in the trial at learning rate {lr:g}")
+        return original(body, model_files, data, lr, seed, recipe, coordinates)
+
+    fanout._remote_body = _remote_body
 
 
 class Faults:
@@ -44,8 +65,13 @@ class Faults:
         (self.folder / FIRED).unlink(missing_ok=True)
         (self.folder / PLAN).write_text(json.dumps({"step": step, "rank": rank}))
 
+    def arm_trial(self, *, learning_rate: float) -> None:
+        (self.folder / FIRED).unlink(missing_ok=True)
+        (self.folder / TRIAL_PLAN).write_text(json.dumps({"learning_rate": learning_rate}))
+
     def disarm(self) -> None:
         (self.folder / PLAN).unlink(missing_ok=True)
+        (self.folder / TRIAL_PLAN).unlink(missing_ok=True)
         (self.folder / FIRED).unlink(missing_ok=True)
 
     @property

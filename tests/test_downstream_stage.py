@@ -100,6 +100,50 @@ def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
     assert "best.f1" in client.get_run(parent).data.metrics
 
 
+@pytest.mark.integration
+def test_a_failed_squad_trial_fails_the_stage_and_the_rerun_runs_only_it(faults, tiny_bert, tmp_path):
+    """One of two trials raises (injected on its Ray worker): the stage fails naming it with its cause and commits
+    nothing, the other trial is kept; the rerun runs the failed trial alone and writes the outputs."""
+    import mlflow
+
+    from bertpipe.jobs.downstream.failures import TrialsFailed
+    from bertpipe.jobs.squad.config import SquadConfig
+    from bertpipe.jobs.squad.stage import run_stage
+
+    path = squad_file(tmp_path / "squad.json")
+    cfg = SquadConfig(train_file=path, eval_file=path, train_articles=(0, 2), eval_articles=(2, 3), max_seq_length=64,
+                      max_query_length=16, doc_stride=16, learning_rates=(1e-3, 5e-4), batch_size=2, num_epochs=1)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("squad", artifact_location=(tmp_path / "artifacts").as_uri())
+    out = tmp_path / "out"
+
+    def run(parent: str):
+        return run_stage(StageContext(
+            name="squad", output_uri=str(out), config={"squad": cfg}, seed=5,
+            inputs={"pretrain": StageInput("pretrain", str(tiny_bert), None, explicit=True)},
+            tracking={"tracking_uri": uri, "run_id": parent, "experiment_id": exp}))
+
+    first, second = (client.create_run(exp, run_name="squad").info.run_id for _ in range(2))
+    faults.arm_trial(learning_rate=5e-4)
+    with pytest.raises(TrialsFailed, match=r"^1 of 2 requested squad trials failed: lr=0.0005/seed=1: RuntimeError: "
+                                           r"injected fault in the trial at learning rate 0.0005; 1 finished trial "
+                                           r"kept in ") as info:
+        run(first)
+    assert not isinstance(info.value, StageInputError)  # a trial that broke, not bad input: the CLI exits 1
+    assert "\n" not in str(info.value) and "Traceback" not in str(info.value)
+    assert sorted(p.name for p in out.iterdir()) == ["_trials"]  # no outputs, nothing half-written
+    assert [p.parent.relative_to(out).as_posix() for p in out.rglob("_DONE.json")] == ["_trials/lr=0.001/seed=1"]
+
+    result = run(second)
+    ran = client.search_runs([exp], f"tags.mlflow.parentRunId = '{second}'")
+    assert [r.info.run_name for r in ran] == ["squad-lr0.0005-seed1"]  # the kept trial did not run again
+    assert result.metrics["num_trials"] == 2 and result.metrics["num_trials_failed"] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.json", "summary.md"]
+    rows = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| 0.")]
+    assert len(rows) == 2 and not any("failed" in row for row in rows)  # both trials in the grid, kept one included
+
+
 @pytest.mark.slow
 def test_ner_stage_on_ray_writes_conll_predictions(ray_local, tiny_bert, tmp_path):
     from bertpipe.jobs.ner.config import NerConfig

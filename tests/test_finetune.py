@@ -1,5 +1,6 @@
 """GLUE fine-tuning: the trial on its own (reproducible, learns, regression and pair tasks), then the stage
-on local Ray with a real MLflow store: parent / task / trial runs, submission files, a bad task failing alone."""
+on local Ray with a real MLflow store: parent / task / trial runs, submission files, a bad task failing the stage
+while the other tasks' trials are kept for the rerun."""
 from __future__ import annotations
 
 import csv
@@ -102,11 +103,16 @@ def _ctx(out: Path, cfg: FinetuneConfig, tracking: dict) -> StageContext:
 
 @pytest.mark.integration
 def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
+    """A broken task fails the stage, named with its cause, while the other tasks' trials are kept; after the fix
+    the rerun runs only the broken task's trials and returns all four tasks."""
     import mlflow
 
+    from bertpipe.jobs.downstream.failures import TasksUnreadable
+
     glue = Path(write_sample(str(tmp_path / "glue")))
-    # A broken task: an unknown label on line 5 of RTE's dev set. It must fail alone.
-    lines = (glue / "RTE" / "dev.tsv").read_text().split("\n")
+    # A broken task: an unknown label on line 5 of RTE's dev set.
+    good_dev = (glue / "RTE" / "dev.tsv").read_text()
+    lines = good_dev.split("\n")
     lines[4] = lines[4].rsplit("\t", 1)[0] + "\tmaybe"
     (glue / "RTE" / "dev.tsv").write_text("\n".join(lines))
     (tmp_path / "pretrain").mkdir()
@@ -115,44 +121,52 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     exp = client.create_experiment("glue", artifact_location=(tmp_path / "artifacts").as_uri())
-    parent = client.create_run(exp, run_name="finetune").info.run_id
+    first, second = (client.create_run(exp, run_name="finetune").info.run_id for _ in range(2))
     cfg = FinetuneConfig(glue_data_dir=str(glue), tasks=("SST-2", "STS-B", "MNLI", "RTE"),
                          learning_rates=(3e-3, 1e-3), batch_size=16, num_epochs=2, max_concurrent_trials=3)
-    result = run_stage(_ctx(tmp_path / "out", cfg, {"tracking_uri": uri, "run_id": parent, "experiment_id": exp}))
-
-    tasks = result.extra["tasks"]
-    assert {t: v["status"] for t, v in tasks.items()} == {"SST-2": "ok", "STS-B": "ok", "MNLI": "ok", "RTE": "failed"}
-    assert "RTE/dev.tsv:5: unknown label 'maybe'" in tasks["RTE"]["error"]
-    assert result.num_rows == 6 and result.metrics["num_tasks_failed"] == 1
-    assert result.metrics["glue_score_complete"] == 0.0
-    assert len(result.raw_inputs) == 3 + 3 + 5  # SST-2, STS-B, MNLI files read (RTE stopped at its dev set)
-
     out = tmp_path / "out"
+    with pytest.raises(TasksUnreadable, match=r"^1 of 4 requested GLUE tasks failed: RTE: \S+/RTE/dev.tsv:5: "
+                                              r"unknown label 'maybe'.*; 6 finished trials kept in "):
+        run_stage(_ctx(out, cfg, {"tracking_uri": uri, "run_id": first, "experiment_id": exp}))
+    assert not (out / "summary.md").exists() and not (out / "models").exists()
+    kept = sorted(p.parent.relative_to(out / "_trials").as_posix() for p in (out / "_trials").rglob("_DONE.json"))
+    assert kept == sorted(f"{t}/lr={lr}/seed=1" for t in ("SST-2", "STS-B", "MNLI") for lr in ("0.003", "0.001"))
+
+    (glue / "RTE" / "dev.tsv").write_text(good_dev)
+    result = run_stage(_ctx(out, cfg, {"tracking_uri": uri, "run_id": second, "experiment_id": exp}))
+    assert {t: v["status"] for t, v in result.extra["tasks"].items()} == dict.fromkeys(cfg.tasks, "ok")
+    assert result.num_rows == 8 and result.metrics["num_trials_kept"] == 6
+    assert result.metrics["glue_score_complete"] == 0.0
+    assert len(result.raw_inputs) == 3 + 3 + 5 + 3  # SST-2, STS-B, MNLI, RTE files read
+    assert not (out / "_trials").exists()  # built into models/ and the reports: nothing left outside them
+
     with zipfile.ZipFile(out / "submission.zip") as z:
-        assert sorted(z.namelist()) == ["MNLI-m.tsv", "MNLI-mm.tsv", "SST-2.tsv", "STS-B.tsv"]
+        assert sorted(z.namelist()) == ["MNLI-m.tsv", "MNLI-mm.tsv", "RTE.tsv", "SST-2.tsv", "STS-B.tsv"]
         mnli = z.read("MNLI-mm.tsv").decode().splitlines()
     assert mnli[0] == "index\tprediction" and len(mnli) == 13
     assert all(row.split("\t")[1] in ("entailment", "neutral", "contradiction") for row in mnli[1:])
     table = list(csv.DictReader(io.StringIO((out / "summary.csv").read_text())))
-    assert [r["task"] for r in table] == ["SST-2", "STS-B", "MNLI", "RTE"] and table[3]["status"] == "failed"
-    assert "PARTIAL" in (out / "summary.md").read_text()
+    assert [r["task"] for r in table] == list(cfg.tasks) and {r["status"] for r in table} == {"ok"}
+    assert all(r["trials_ok"] == "2" for r in table) and "PARTIAL" in (out / "summary.md").read_text()
 
-    runs = client.search_runs([exp], max_results=100)
     by_parent: dict[str, list] = {}
-    for r in runs:
+    for r in client.search_runs([exp], max_results=100):
         by_parent.setdefault(r.data.tags.get("mlflow.parentRunId"), []).append(r)
-    task_runs = {r.info.run_name: r for r in by_parent[parent]}
-    assert set(task_runs) == {"SST-2", "STS-B", "MNLI", "RTE"}
-    assert task_runs["RTE"].info.status == "FAILED" and "maybe" in task_runs["RTE"].data.tags["bertpipe.error"]
-    mnli_trials = by_parent[task_runs["MNLI"].info.run_id]
+    tasks_1, tasks_2 = ({r.info.run_name: r for r in by_parent[p]} for p in (first, second))
+    assert set(tasks_1) == set(tasks_2) == set(cfg.tasks)
+    assert tasks_1["RTE"].info.status == "FAILED" and "maybe" in tasks_1["RTE"].data.tags["bertpipe.error"]
+    mnli_trials = by_parent[tasks_1["MNLI"].info.run_id]
     assert len(mnli_trials) == 2 and all(t.info.status == "FINISHED" for t in mnli_trials)
     history = client.get_metric_history(mnli_trials[0].info.run_id, "MNLI-mm.accuracy")
     assert sorted(m.step for m in history) == [1, 2]  # logged per epoch from the Ray worker
     assert {"learning_rate", "seed", "task"} <= set(mnli_trials[0].data.params)
-    parent_metrics = client.get_run(parent).data.metrics
-    assert {"dev.SST-2", "dev.STS-B", "dev.MNLI", "glue_score"} <= set(parent_metrics)
-    assert "dev.RTE" not in parent_metrics
-    artifacts = {a.path for a in client.list_artifacts(parent, "glue")}
+    # The rerun ran RTE's two trials and nothing else.
+    assert {t: len(by_parent.get(r.info.run_id, [])) for t, r in tasks_2.items()} == {
+        "SST-2": 0, "STS-B": 0, "MNLI": 0, "RTE": 2}
+    assert tasks_2["MNLI"].data.tags["bertpipe.kept_trials"] == "MNLI/lr=0.003/seed=1, MNLI/lr=0.001/seed=1"
+    parent_metrics = client.get_run(second).data.metrics
+    assert {"dev.SST-2", "dev.STS-B", "dev.MNLI", "dev.RTE", "glue_score"} <= set(parent_metrics)
+    artifacts = {a.path for a in client.list_artifacts(second, "glue")}
     assert artifacts == {"glue/summary.md", "glue/summary.csv", "glue/submission.zip"}
 
 

@@ -46,6 +46,24 @@ def test_flat_step_equals_per_tensor_step():
     assert torch.allclose(flat.detach(), torch.cat([a.detach().flatten(), b.detach()]), rtol=0, atol=1e-6)
 
 
+def test_gpu_and_cpu_ways_of_applying_the_ratios_agree():
+    """The scale-tensor path (taken on CUDA) and the in-place views path (CPU) move every segment alike and leave
+    the alignment gaps alone."""
+    from bertpipe.jobs.pretrain.optim import Pieces, _apply_scale_tensor, _apply_views
+
+    torch.manual_seed(2)
+    layout = FlatLayout(segments=((1, 3, 20), (0, 24, 60), (2, 60, 61)), num_params=3)
+    pieces = Pieces.of(layout, 70, "cpu")
+    assert pieces.sizes == (3, 17, 4, 36, 1, 9) and pieces.held == (1, 3, 4)
+    p, update, factors = torch.randn(70), torch.randn(70), torch.tensor([0.5, -2.0, 3.0])
+    by_scale, by_views = p.clone(), p.clone()
+    _apply_scale_tensor(by_scale, update.clone(), pieces, factors)
+    _apply_views(by_views, update.clone(), pieces, factors)
+    torch.testing.assert_close(by_scale, by_views)
+    torch.testing.assert_close(by_views[3:20], p[3:20] + 0.5 * update[3:20])
+    assert torch.equal(by_views[:3], p[:3]) and torch.equal(by_views[20:24], p[20:24])
+
+
 def test_flat_tensor_without_layout_is_an_error_once_layouts_are_set():
     x, y = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
     opt = Lamb([{"params": [x, y], "weight_decay": 0.01}], lr=LR)

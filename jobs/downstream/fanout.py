@@ -3,7 +3,11 @@ with `cpus_per_trial` CPUs, at most `max_concurrent_trials` at once, one MLflow 
 stage's run, the best trial by its dev score, and a Markdown table of the grid.
 
 A trial body is a module-level function `body(model_dir, data, learning_rate, seed, recipe, on_epoch)` that
-returns an object with `.score` (the selection key) and `.metrics` (dict of floats).
+returns a dataclass with `.score` (the selection key) and `.metrics` (dict of floats).
+
+Every requested trial must succeed: the best learning rate of a grid with holes is not the one asked for. A failed
+trial fails the stage (failures.TrialsFailed names each); the finished ones are kept under `_trials/`
+(pipeline/parts.py) and the rerun with the same config runs only the rest.
 """
 from __future__ import annotations
 
@@ -14,8 +18,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from bertpipe.jobs.downstream import failures, kept
 from bertpipe.jobs.tracking import RunLogger
+from bertpipe.pipeline import parts
 from bertpipe.pipeline.progress import Progress
+from bertpipe.pipeline.stage import StageContext
 
 log = logging.getLogger("bertpipe.downstream")
 
@@ -27,6 +34,8 @@ class GridTrial:
     sweep_seed: int    # the seed value of the sweep
     seed: int          # the trial's RNG seed: sweep seed mixed with the workflow seed and the job
     run: RunLogger
+    part: str = ""     # its folder for pipeline/parts.py, relative to the stage's
+    cache_key: str = ""  # the key its kept result is valid for (jobs/downstream/kept.py)
 
 
 def trial_seed(workflow_seed: int, job: str, seed: int) -> int:
@@ -34,15 +43,54 @@ def trial_seed(workflow_seed: int, job: str, seed: int) -> int:
     return int(digest[:8], 16)
 
 
-def plan_grid(job: str, recipe, workflow_seed: int, parent: RunLogger) -> list[GridTrial]:
-    trials = []
+def plan_grid(job: str, recipe, ctx: StageContext, parent: RunLogger, base: dict,
+              result_cls: type) -> tuple[list[GridTrial], list[Any]]:
+    """The grid's trials and, for each, the result a failed run kept under the same key (None: it runs, in a child
+    run of `parent`). A part of another config, or a half-written one, is deleted: this run rewrites it."""
+    trials, results = [], []
     for sweep_seed in recipe.seeds:
         for lr in recipe.learning_rates:
-            seed = trial_seed(workflow_seed, job, sweep_seed)
-            run = parent.child(f"{job}-lr{lr:g}-seed{sweep_seed}", {"bertpipe.kind": f"{job}_trial"})
-            run.log_params({"learning_rate": lr, "seed": seed, "sweep_seed": sweep_seed, "recipe": recipe})
-            trials.append(GridTrial(f"lr={lr:g}/seed={sweep_seed}", lr, sweep_seed, seed, run))
-    return trials
+            key = f"lr={lr:g}/seed={sweep_seed}"
+            part, cache_key = parts.part_path(*key.split("/")), kept.trial_key(base, lr, sweep_seed)
+            done = kept.restore(ctx.output_uri, part, cache_key, result_cls)
+            seed = trial_seed(ctx.seed, job, sweep_seed)
+            if done is None:
+                parts.drop(ctx.output_uri, part)
+                run = parent.child(f"{job}-lr{lr:g}-seed{sweep_seed}", {"bertpipe.kind": f"{job}_trial"})
+                run.log_params({"learning_rate": lr, "seed": seed, "sweep_seed": sweep_seed, "recipe": recipe})
+            else:
+                run = RunLogger(None)
+            trials.append(GridTrial(key, lr, sweep_seed, seed, run, part, cache_key))
+            results.append(done)
+    parts.drop_all_but(ctx.output_uri, {t.part for t, r in zip(trials, results) if r is not None})
+    if any(r is not None for r in results):
+        parent.set_tag("bertpipe.kept_trials", ", ".join(t.key for t, r in zip(trials, results) if r is not None))
+    return trials, results
+
+
+def sweep(job: str, body: Callable, ctx: StageContext, recipe, model_files: dict[str, bytes], data: Any,
+          data_files: list[dict], result_cls: type, parent: RunLogger) -> tuple[list[GridTrial], list[Any]]:
+    """Every trial of the grid, kept ones reused and the rest run; each one that finishes is committed as a part.
+    (trials, results) when all succeeded; failures.TrialsFailed naming each failed trial otherwise."""
+    import ray
+
+    base = kept.base_key(job, recipe, ctx.seed, kept.files_digest(model_files), data_files)
+    trials, results = plan_grid(job, recipe, ctx, parent, base, result_cls)
+    todo = [i for i, r in enumerate(results) if r is None]
+    log.info("%s: %d trials to run, %d kept from a failed run", job, len(todo), len(trials) - len(todo))
+    if todo:
+        ran = run_grid(job, body, ray.put(model_files), ray.put(data), [trials[i] for i in todo], recipe)
+        for i, result in zip(todo, ran):
+            results[i] = result
+            if isinstance(result, BaseException):
+                parts.drop(ctx.output_uri, trials[i].part)  # half done: nothing of it stays
+            else:
+                kept.save(ctx.output_uri, trials[i].part, trials[i].cache_key, result)
+    failed = {t.key: failures.cause_line(r) for t, r in zip(trials, results) if isinstance(r, BaseException)}
+    if failed:
+        raise failures.requested_failed(f"{job} trials", failed, len(trials), ctx.output_uri,
+                                        parts.count(ctx.output_uri), input_only=False)
+    return trials, results
 
 
 def _remote_body(body: Callable, model_files: dict[str, bytes], data: Any, lr: float, seed: int, recipe,
@@ -82,7 +130,9 @@ def run_grid(job: str, body: Callable, model_ref, data_ref, trials: list[GridTri
             log.info("%s: trial %s done: score %.4f", job, trials[i].key, results[i].score)
         except Exception as e:  # noqa: BLE001 - one trial failing must not stop the sweep
             results[i] = e
-            log.warning("%s: trial %s failed: %s", job, trials[i].key, e)
+            # The log file gets the remote traceback; the console gets the stage's one-line error at the end.
+            log.info("%s: trial %s failed: %s", job, trials[i].key, e)
+            trials[i].run.set_tag("bertpipe.error", failures.cause_line(e))
         trials[i].run.end(not isinstance(results[i], BaseException))
         progress.add(1, **({"best": best} if best > float("-inf") else {}))
     progress.close()

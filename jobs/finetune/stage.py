@@ -6,7 +6,13 @@ with `cpus_per_trial` CPUs each, at most `max_concurrent_trials` at a time. Per 
 final-epoch dev score wins (the paper picks the learning rate on dev); its test predictions become the GLUE
 submission files. MLflow: the stage's run is the sweep parent, one child run per task, one grandchild per trial
 with per-epoch metrics (logged by the trial itself); the parent gets each task's best dev score, the GLUE score
-and the summary table as artifacts. The stage fails only if every task failed.
+and the summary table as artifacts.
+
+Every requested task must succeed, every trial of it included: a sweep that drops one reports a GLUE score over
+tasks nobody chose. A failed task or trial fails the stage (its error names each, one line), and the trials that
+finished are kept, committed one by one under `_trials/` (pipeline/parts.py), so the rerun with the same config
+runs only the failed ones and then commits the stage. Trials run into their part folder and the best model of
+each task is copied to models/<task>/ once every task is done.
 """
 from __future__ import annotations
 
@@ -18,13 +24,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bertpipe.jobs.downstream import failures, kept
 from bertpipe.jobs.finetune.config import FinetuneConfig
 from bertpipe.jobs.finetune.glue_sample import write_sample
 from bertpipe.jobs.finetune.glue_tasks import GLUE_TASKS, TASKS, get_task, read_task, task_present
 from bertpipe.jobs.finetune.report import TaskOutcome, scores, summary_table, write_submission
 from bertpipe.jobs.finetune.trial import TrialParams, TrialResult, run_trial
 from bertpipe.jobs.tracking import RunLogger
-from bertpipe.pipeline import storage
+from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.identity import describe_file
 from bertpipe.pipeline.progress import Progress
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
@@ -148,6 +155,9 @@ class Trial:
     save_uri: str  # where the trial keeps its fine-tuned model ("" = not kept)
     model_ref: Any  # Ray object refs of the initial model's files and of the task's data
     data_ref: Any
+    part: str = ""  # its folder for pipeline/parts.py, relative to the stage's ("" = not kept)
+    cache_key: str = ""  # the key its kept result is valid for (jobs/downstream/kept.py)
+    result: TrialResult | BaseException | None = None  # kept from a failed run, or what this run got
 
     def args(self) -> tuple:
         """The arguments of `_trial_body`."""
@@ -181,22 +191,22 @@ def run_trials(trials: list[Trial], cfg: FinetuneConfig) -> list[TrialResult | B
             log.info("finetune: trial %s done: score %.4f", trials[i].key, results[i].score)
         except Exception as e:  # noqa: BLE001 - one trial failing must not stop the sweep
             results[i] = e
-            log.warning("finetune: trial %s failed: %s", trials[i].key, e)
+            # The log file gets the remote traceback; the console gets the stage's one-line error at the end.
+            log.info("finetune: trial %s failed: %s", trials[i].key, e)
         progress.add(1, **best)
     progress.close()
     return results
 
 
 def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, model_ref, parent: RunLogger,
-              raw_inputs: list[dict]) -> tuple[TaskOutcome, list[Trial]]:
+              raw_inputs: list[dict], model_digest: str = "") -> tuple[TaskOutcome, list[Trial]]:
     """Read one task and make its trials (none if absent or unreadable: the outcome says why)."""
-    import ray
-
     spec = TASKS[name]
     outcome = TaskOutcome(spec, "ok")
     if not task_present(glue_dir, spec):
         if cfg.tasks:  # named explicitly: its absence is an error
-            outcome.status, outcome.error = "failed", f"{storage.join(glue_dir, name)}: task folder or train.tsv missing"
+            outcome.status = "failed"
+            outcome.error = f"{storage.join(glue_dir, name)}: task folder or train.tsv missing"
         else:
             outcome.status = "absent"
         return outcome, []
@@ -205,38 +215,103 @@ def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, 
         data = read_task(glue_dir, spec)
     except (ValueError, StageInputError) as e:
         outcome.status, outcome.error = "failed", str(e)
-        log.warning("finetune: task %s failed to read: %s", name, e)
+        log.info("finetune: task %s failed to read: %s", name, e)  # the stage's error names it at the end
         return outcome, []
     raw_inputs.extend(data.files if cfg.glue_data_dir else [])
     outcome.num_train = min(len(data.train), cfg.max_train_examples or len(data.train))
     log.info("finetune: %s: %d train rows (%d used), dev %s, test %s", name, len(data.train), outcome.num_train,
              {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()})
-    data_ref = ray.put(data)
+    return outcome, make_trials(outcome, data, cfg, ctx, model_ref, model_digest)
+
+
+def make_trials(outcome: TaskOutcome, data, cfg: FinetuneConfig, ctx: StageContext, model_ref,
+                model_digest: str) -> list[Trial]:
+    """One trial per (learning rate, seed) of a task that read. A trial a failed run kept under the same key comes
+    with its result and no MLflow run: it will not run again."""
+    import ray
+
+    name, task_run = outcome.spec.name, outcome.run
+    base = kept.base_key("finetune", cfg, ctx.seed, model_digest, data.files, task=name)
     trials = []
     for seed in cfg.seeds:
         for lr in cfg.learning_rates:
             params = TrialParams(learning_rate=lr, seed=trial_seed(ctx.seed, name, seed), recipe=cfg)
-            run = task_run.child(f"{name}-lr{lr:g}-seed{seed}", {"bertpipe.kind": "glue_trial"})
-            run.log_params({"learning_rate": lr, "seed": params.seed, "task": name, "sweep_seed": seed,
-                            "device": params.device, "recipe": cfg})
             key = f"{name}/lr={lr:g}/seed={seed}"
-            trials.append(Trial(key, outcome, run, params, storage.join(ctx.output_uri, "trials", *key.split("/")),
-                                model_ref, data_ref))
-    return outcome, trials
+            part, cache_key = parts.part_path(*key.split("/")), kept.trial_key(base, lr, seed)
+            done = kept.restore(ctx.output_uri, part, cache_key, TrialResult)
+            if done is None:
+                parts.drop(ctx.output_uri, part)  # a part of another config, or half-written: this run rewrites it
+                run = task_run.child(f"{name}-lr{lr:g}-seed{seed}", {"bertpipe.kind": "glue_trial"})
+                run.log_params({"learning_rate": lr, "seed": params.seed, "task": name, "sweep_seed": seed,
+                                "device": params.device, "recipe": cfg})
+            else:
+                run = RunLogger(None)
+            trials.append(Trial(key, outcome, run, params, storage.join(ctx.output_uri, *part.split("/"), "model"),
+                                model_ref, None, part, cache_key, done))
+    todo = [t for t in trials if t.result is None]
+    if todo:
+        data_ref = ray.put(data)
+        for t in todo:
+            t.data_ref = data_ref
+    if len(todo) < len(trials):
+        task_run.set_tag("bertpipe.kept_trials", ", ".join(t.key for t in trials if t.result is not None))
+        log.info("finetune: %s: %d of %d trials kept from a failed run", name, len(trials) - len(todo), len(trials))
+    return trials
+
+
+def run_and_keep(todo: list[Trial], cfg: FinetuneConfig, out_uri: str) -> None:
+    """Run the trials; commit each one that finishes as a part (the rerun will not redo it), delete whatever a
+    failed one wrote (half done: nothing of it stays)."""
+    for trial, result in zip(todo, run_trials(todo, cfg) if todo else []):
+        trial.result = result
+        if isinstance(result, BaseException):
+            trial.run.set_tag("bertpipe.error", failures.cause_line(result))
+            parts.drop(out_uri, trial.part)
+        else:
+            kept.save(out_uri, trial.part, trial.cache_key, result)
+        trial.run.end(not isinstance(result, BaseException))
+
+
+def gather(trials: list[Trial], outcomes: list[TaskOutcome], out_uri: str) -> None:
+    """Each task's trial results, in plan order (kept ones included: the best trial is the same whichever run made
+    it). A task with a failed trial fails; any failed task fails the stage (failures.TrialsFailed)."""
+    for trial in trials:
+        if isinstance(trial.result, BaseException):
+            trial.outcome.trial_errors.append(f"trial {trial.key}: {failures.cause_line(trial.result)}")
+        else:
+            trial.outcome.trials.append(trial.result)
+    for o in outcomes:
+        if o.status == "ok" and (o.trial_errors or not o.trials):
+            o.status = "failed"
+    failed = [o for o in outcomes if o.status == "failed"]
+    if failed:
+        end_task_runs(outcomes)
+        raise failures.requested_failed(
+            "GLUE tasks", {o.spec.name: o.errors for o in failed}, sum(o.status != "absent" for o in outcomes),
+            out_uri, parts.count(out_uri), input_only=not any(o.trial_errors for o in failed))
 
 
 def keep_best_models(out_uri: str, trials: list[Trial]) -> list[str]:
-    """The best trial's fine-tuned model of each task moves to models/<task>/; the other trials' are deleted.
+    """The best trial's fine-tuned model of each task is copied to models/<task>/; every trial's part is deleted.
     Returns the kept files, relative to the stage folder."""
-    kept = []
+    files = []
     for trial in trials:
         best = trial.outcome.best
         if best is not None and (trial.params.learning_rate, trial.params.seed) == (best.learning_rate, best.seed):
             target = storage.join(out_uri, "models", trial.outcome.spec.name)
             storage.copy_tree(trial.save_uri, target)
-            kept += [f"models/{trial.outcome.spec.name}/{rel}" for rel, _ in storage.list_files(target)]
-    storage.delete_dir(storage.join(out_uri, "trials"))
-    return kept
+            files += [f"models/{trial.outcome.spec.name}/{rel}" for rel, _ in storage.list_files(target)]
+    parts.drop_all(out_uri)
+    return files
+
+
+def end_task_runs(outcomes: list[TaskOutcome]) -> None:
+    """A failing stage: each task's MLflow run ends, a failed one FAILED with its error as a tag."""
+    for o in outcomes:
+        if o.run is not None:
+            if o.errors:
+                o.run.set_tag("bertpipe.error", o.errors[:5000])
+            o.run.end(o.status == "ok")
 
 
 def log_outcomes(outcomes: list[TaskOutcome], parent: RunLogger, metrics: dict[str, float], files: dict[str, bytes],
@@ -253,9 +328,7 @@ def log_outcomes(outcomes: list[TaskOutcome], parent: RunLogger, metrics: dict[s
             model_dir = storage.join(out_uri, "models", o.spec.name)
             if storage.exists(model_dir) and "://" not in model_dir:
                 task_run.log_artifacts(model_dir, "model")
-        if o.errors:
-            task_run.set_tag("bertpipe.error", o.errors[:5000])
-        task_run.end(o.status == "ok")
+    end_task_runs(outcomes)
     parent.log_metrics({k: v for k, v in metrics.items() if k != "seconds"})
     for name, blob in files.items():
         parent.log_bytes(blob, name, "glue")
@@ -271,29 +344,28 @@ def run_stage(ctx: StageContext) -> StageResult:
         log.info("finetune: no glue_data_dir, using the project's smoke sample (NOT GLUE) at %s", glue_dir)
     pretrain = ctx.input("pretrain")
     init = pretrain.uri if pretrain.explicit else (cfg.init or ctx.paths.pretrain_export)
-    model_ref = ray.put(read_model_files(init))
+    model_files = read_model_files(init)
+    model_ref, digest = ray.put(model_files), kept.files_digest(model_files)
+    del model_files
     log.info("finetune: initial model %s; tasks %s", init, ", ".join(task_names(cfg)))
     parent, raw_inputs = RunLogger(ctx.tracking), []
-    planned = [plan_task(n, glue_dir, cfg, ctx, model_ref, parent, raw_inputs) for n in task_names(cfg)]
+    planned = [plan_task(n, glue_dir, cfg, ctx, model_ref, parent, raw_inputs, digest) for n in task_names(cfg)]
     outcomes, trials = [o for o, _ in planned], [t for _, ts in planned for t in ts]
-    log.info("finetune: %d trials over %d tasks, %s CPU(s) each, at most %s at once", len(trials),
-             sum(o.status == "ok" for o in outcomes), cfg.cpus_per_trial, cfg.max_concurrent_trials or "all")
-    for trial, result in zip(trials, run_trials(trials, cfg)):
-        failed = isinstance(result, BaseException)
-        if failed:
-            trial.outcome.trial_errors.append(f"{trial.key}: {type(result).__name__}: {result}")
-        else:
-            trial.outcome.trials.append(result)
-        trial.run.end(not failed)
-    for o in outcomes:
-        if o.status == "ok" and not o.trials:
-            o.status = "failed"
+    parts.drop_all_but(ctx.output_uri, {t.part for t in trials if t.result is not None})  # other configs' trials
+    todo = [t for t in trials if t.result is None]
+    log.info("finetune: %d trials over %d tasks (%d kept from a failed run), %s CPU(s) each, at most %s at once",
+             len(todo), sum(o.status == "ok" for o in outcomes), len(trials) - len(todo), cfg.cpus_per_trial,
+             cfg.max_concurrent_trials or "all")
+    run_and_keep(todo, cfg, ctx.output_uri)
+    gather(trials, outcomes, ctx.output_uri)
+    if not any(o.status == "ok" for o in outcomes):
+        raise StageInputError(f"finetune: no GLUE task present in {glue_dir}")
     submission = write_submission(ctx.output_uri, outcomes)
     _, markdown, table_csv = summary_table(outcomes)
     report = {"summary.md": markdown.encode(), "summary.csv": table_csv.encode()}
     for name, blob in report.items():
         storage.write_bytes(storage.join(ctx.output_uri, name), blob)
-    metrics = {**scores(outcomes), "num_trials": float(len(trials)),
+    metrics = {**scores(outcomes), "num_trials": float(len(trials)), "num_trials_kept": float(len(trials) - len(todo)),
                "num_trials_failed": float(sum(len(o.trial_errors) for o in outcomes)),
                "num_tasks_ok": float(sum(o.status == "ok" for o in outcomes)),
                "num_tasks_failed": float(sum(o.status == "failed" for o in outcomes)),
@@ -302,10 +374,6 @@ def run_stage(ctx: StageContext) -> StageResult:
         report["submission.zip"] = storage.read_bytes(storage.join(ctx.output_uri, "submission.zip"))
     models = keep_best_models(ctx.output_uri, trials)
     log_outcomes(outcomes, parent, metrics, report, ctx.output_uri)
-    ran = [o for o in outcomes if o.status != "absent"]
-    if not any(o.status == "ok" for o in ran):
-        errors = "; ".join(f"{o.spec.name}: {o.errors}" for o in ran) or "no task present"
-        raise StageInputError(f"finetune: every GLUE task failed ({errors}) in {glue_dir}")
     return StageResult(
         num_rows=sum(len(o.trials) for o in outcomes), metrics=metrics, raw_inputs=raw_inputs,
         extra={"init": init, "glue_data_dir": glue_dir, "submission": submission,

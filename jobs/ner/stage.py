@@ -14,9 +14,9 @@ from bertpipe.jobs.downstream import fanout
 from bertpipe.jobs.downstream.inputs import check_init, describe, init_uri, model_files, require_file
 from bertpipe.jobs.ner.config import NerConfig
 from bertpipe.jobs.ner.conll import format_predictions, read_conll
-from bertpipe.jobs.ner.trial import NerData, run_ner_trial
+from bertpipe.jobs.ner.trial import NerData, NerResult, run_ner_trial
 from bertpipe.jobs.tracking import RunLogger
-from bertpipe.pipeline import storage
+from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger("bertpipe.ner")
@@ -42,8 +42,6 @@ def preflight(ctx: StageContext) -> None:
 
 
 def run_stage(ctx: StageContext) -> StageResult:
-    import ray
-
     started = time.perf_counter()
     cfg: NerConfig = ctx.config["ner"]
     data, train, evaluation = load_data(cfg)
@@ -51,8 +49,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("ner: %d train / %d eval sentences (%s / %s), init %s", len(data.train), len(data.eval), train.scheme,
              evaluation.scheme, init)
     parent = RunLogger(ctx.tracking)
-    trials = fanout.plan_grid("ner", cfg, ctx.seed, parent)
-    results = fanout.run_grid("ner", run_ner_trial, ray.put(model_files(init)), ray.put(data), trials, cfg)
+    trials, results = fanout.sweep("ner", run_ner_trial, ctx, cfg, model_files(init), data, describe_raw_inputs(cfg),
+                                   NerResult, parent)
     trial, best = fanout.best_of(trials, results)
     used = min(len(data.train), cfg.max_train_examples or len(data.train))
     table = f"# CoNLL NER: {used} of {len(data.train)} train / {len(data.eval)} eval sentences; best {trial.key}\n\n" + \
@@ -62,6 +60,7 @@ def run_stage(ctx: StageContext) -> StageResult:
              "metrics.json": json.dumps(shown, indent=1, sort_keys=True), "summary.md": table}
     for name, text in files.items():
         storage.write_bytes(storage.join(ctx.output_uri, name), text.encode())
+    parts.drop_all(ctx.output_uri)  # every trial is in the outputs now: a committed folder holds no part
     metrics = {f"best.{k}": v for k, v in best.metrics.items()}
     metrics.update({"best_lr": trial.learning_rate, "num_trials": float(len(trials)),
                     "num_trials_failed": float(sum(isinstance(r, BaseException) for r in results)),

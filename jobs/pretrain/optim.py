@@ -171,33 +171,39 @@ class Lamb(torch.optim.Optimizer):
 @dataclass(frozen=True)
 class Pieces:
     """A flat tensor cut into consecutive pieces that cover it: every layout segment is a piece, and so is every gap
-    between segments (DeepSpeed's alignment padding). `lengths` [n_pieces]; `held` the indices of the pieces that
-    are segments and `owner` the parameter each of those belongs to: all on the tensor's device, so a step sums and
-    scales every segment with a few batched kernels (segment_reduce, index_add, repeat_interleave) and no loop."""
+    between segments (DeepSpeed's alignment padding). `sizes` the piece lengths (and `lengths` the same on the
+    device), `held` the pieces that are segments and `owner` the parameter each of those belongs to. A step then
+    works on all segments at once: one split into views, foreach norms, one index_add — no loop of tensor ops."""
 
     layout: FlatLayout
+    sizes: tuple[int, ...]
+    held: tuple[int, ...]
     lengths: torch.Tensor
-    held: torch.Tensor
+    held_index: torch.Tensor
     owner: torch.Tensor
     numel: int
 
     @classmethod
     def of(cls, layout: FlatLayout, numel: int, device) -> "Pieces":
-        lengths, held, owner, at = [], [], [], 0
+        sizes, held, owner, at = [], [], [], 0
         for j, start, end in sorted(layout.segments, key=lambda seg: seg[1]):
             if start > at:
-                lengths.append(start - at)
-            held.append(len(lengths))
+                sizes.append(start - at)
+            held.append(len(sizes))
             owner.append(j)
-            lengths.append(end - start)
+            sizes.append(end - start)
             at = end
         if at < numel:
-            lengths.append(numel - at)
-
-        def as_tensor(values: list[int]) -> torch.Tensor:
+            sizes.append(numel - at)
+        def on_device(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
 
-        return cls(layout, as_tensor(lengths), as_tensor(held), as_tensor(owner), numel)
+        return cls(layout, tuple(sizes), tuple(held), on_device(sizes), on_device(held), on_device(owner), numel)
+
+    def segments_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `flat`, one per layout segment (in `owner` order)."""
+        views = flat.split(self.sizes)
+        return [views[i] for i in self.held]
 
 
 def _segment_sums(p: torch.Tensor, update: torch.Tensor, pieces: Pieces) -> torch.Tensor:
@@ -205,9 +211,9 @@ def _segment_sums(p: torch.Tensor, update: torch.Tensor, pieces: Pieces) -> torc
     sums = torch.zeros(pieces.layout.num_params, 2, dtype=torch.float32, device=p.device)
     if not pieces.layout.segments:
         return sums
-    per_piece = torch.stack([torch.segment_reduce(p.float().square(), "sum", lengths=pieces.lengths, unsafe=True),
-                             torch.segment_reduce(update.square(), "sum", lengths=pieces.lengths, unsafe=True)], 1)
-    return sums.index_add_(0, pieces.owner, per_piece.index_select(0, pieces.held))
+    norms = torch.stack([torch.stack(torch._foreach_norm(pieces.segments_of(p.float()))),
+                         torch.stack(torch._foreach_norm(pieces.segments_of(update)))], 1)
+    return sums.index_add_(0, pieces.owner, norms.square())
 
 
 def _ratios(sums: torch.Tensor) -> torch.Tensor:
@@ -217,13 +223,25 @@ def _ratios(sums: torch.Tensor) -> torch.Tensor:
 
 
 def _apply(p: torch.Tensor, update: torch.Tensor, pieces: Pieces, ratios: torch.Tensor, lr: float) -> None:
-    """p += -lr × ratio(owner) × update on every segment; gap pieces get factor 0 (left alone)."""
+    """p += -lr × ratio(owner) × update on every segment; the gaps between segments are left alone."""
     if not pieces.layout.segments:
         return
-    factor = torch.zeros(len(pieces.lengths), dtype=torch.float32, device=p.device)
-    factor.index_copy_(0, pieces.held, ratios.index_select(0, pieces.owner) * -lr)
-    scale = torch.repeat_interleave(factor, pieces.lengths, output_size=pieces.numel)
-    p.add_((update * scale).to(p.dtype))
+    factors = ratios.index_select(0, pieces.owner) * -lr  # one per segment
+    # CUDA: one scale tensor and two kernels (foreach with one scalar tensor per view has no CUDA fast path);
+    # CPU: repeat_interleave over a whole partition is ~10× slower than scaling the views in place.
+    (_apply_scale_tensor if p.is_cuda else _apply_views)(p, update, pieces, factors)
+
+
+def _apply_scale_tensor(p: torch.Tensor, update: torch.Tensor, pieces: Pieces, factors: torch.Tensor) -> None:
+    per_piece = torch.zeros(len(pieces.sizes), dtype=torch.float32, device=p.device)
+    per_piece.index_copy_(0, pieces.held_index, factors)
+    p.add_((update * torch.repeat_interleave(per_piece, pieces.lengths, output_size=pieces.numel)).to(p.dtype))
+
+
+def _apply_views(p: torch.Tensor, update: torch.Tensor, pieces: Pieces, factors: torch.Tensor) -> None:
+    segments = pieces.segments_of(update)
+    torch._foreach_mul_(segments, list(factors.unbind()))
+    torch._foreach_add_(pieces.segments_of(p), [u.to(p.dtype) for u in segments])
 
 
 def make_optimizer(cfg: PretrainConfig, model: nn.Module) -> torch.optim.Optimizer:

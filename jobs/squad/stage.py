@@ -16,9 +16,9 @@ from bertpipe.jobs.downstream import fanout
 from bertpipe.jobs.downstream.inputs import check_init, describe, init_uri, model_files, require_file
 from bertpipe.jobs.squad.config import SquadConfig
 from bertpipe.jobs.squad.data import read_squad
-from bertpipe.jobs.squad.trial import SquadData, run_squad_trial
+from bertpipe.jobs.squad.trial import SquadData, SquadResult, run_squad_trial
 from bertpipe.jobs.tracking import RunLogger
-from bertpipe.pipeline import storage
+from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.squad")
@@ -65,8 +65,6 @@ def write_outputs(uri: str, best, table: str, version_2: bool) -> list[str]:
 
 
 def run_stage(ctx: StageContext) -> StageResult:
-    import ray
-
     started = time.perf_counter()
     cfg: SquadConfig = ctx.config["squad"]
     data = load_data(cfg)
@@ -74,14 +72,15 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("squad: %d train / %d eval questions (v%s), init %s", len(data.train), len(data.eval),
              "2.0" if data.version_2 else "1.1", init)
     parent = RunLogger(ctx.tracking)
-    trials = fanout.plan_grid("squad", cfg, ctx.seed, parent)
-    results = fanout.run_grid("squad", run_squad_trial, ray.put(model_files(init)), ray.put(data), trials, cfg)
+    trials, results = fanout.sweep("squad", run_squad_trial, ctx, cfg, model_files(init), data,
+                                   describe_raw_inputs(cfg), SquadResult, parent)
     trial, best = fanout.best_of(trials, results)
     shown = SHOWN + (("HasAns_f1", "NoAns_f1") if data.version_2 else ())
     used = min(len(data.train), cfg.max_train_examples or len(data.train))
     table = f"# SQuAD v{'2.0' if data.version_2 else '1.1'}: {used} of {len(data.train)} train / {len(data.eval)} " \
             f"eval questions; best {trial.key}\n\n" + fanout.grid_table(trials, results, shown)
     outputs = write_outputs(ctx.output_uri, best, table, data.version_2)
+    parts.drop_all(ctx.output_uri)  # every trial is in the outputs now: a committed folder holds no part
     metrics = {f"best.{k}": v for k, v in best.metrics.items()}
     metrics.update({"best_lr": trial.learning_rate, "num_trials": float(len(trials)),
                     "num_trials_failed": float(sum(isinstance(r, BaseException) for r in results)),
