@@ -74,14 +74,14 @@ def _resume_command(args, stage: str | None) -> str:
     return shlex.join(parts + (["--from", args.start] if args.start else []) + (["--force"] if args.force else []))
 
 
-def _closing_lines(args, log_path: str, first: str, stage: str | None) -> None:
+def _closing_lines(args, log_path: str, first: str, stage: str | None, fix: bool = True) -> None:
     """The three lines a run that failed or was stopped ends with: what happened, the log, how to resume."""
     from bertpipe.jobs import console
 
     console.error(first)
     if log_path:
         console.error(_log_line(log_path))
-    console.error(f"after fixing it, resume with: {_resume_command(args, stage)}")
+    console.error(f"{'after fixing it, ' if fix else ''}resume with: {_resume_command(args, stage)}")
 
 
 def cmd_run(args) -> int:
@@ -124,7 +124,8 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
     except KeyboardInterrupt as exc:  # SIGINT, SIGTERM, SIGHUP (jobs/interrupts.py): cleaned up on the way here
         stage = getattr(exc, "stage", None)
         logging.getLogger("bertpipe").info("run stopped: %s", interrupts.describe(exc), exc_info=exc)
-        _closing_lines(args, log_path, f"{f'stage {stage}' if stage else 'run'} {interrupts.describe(exc)}", stage)
+        _closing_lines(args, log_path, f"{f'stage {stage}' if stage else 'run'} {interrupts.describe(exc)}", stage,
+                       fix=False)
         return interrupts.exit_code(exc)
     except (ConfigError, StageInputError):
         raise  # bad input found by the workflow itself: one line (main)
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # before the run had a log file (preflight, the lock): one line
         print(f"bertpipe: {interrupts.describe(exc)}", file=sys.stderr)
         return interrupts.exit_code(exc)
+    except OSError as exc:  # before the run had a log file: a full disk refusing the lock record, say
+        print(f"bertpipe: error: {redact.mask(_first_line(exc))}", file=sys.stderr)
+        return 1
 
 
 def _configure_logging(verbose: bool) -> None:

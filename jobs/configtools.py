@@ -30,14 +30,13 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(annotation, value, where)
     if origin in (typing.Union, types.UnionType):
-        errors = []
         for arg in args:
             if arg is type(None) and value is None:
                 return None
             try:
                 return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                continue
         raise ConfigError(f"{where}: {value!r} matches none of {annotation}")
     if origin is typing.Literal:
         if value not in args:
@@ -56,6 +55,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return {_coerce(k, key_t, where): _coerce(v, val_t, f"{where}.{k}") for k, v in value.items()}
     if annotation is Any:
         return value
+    return _coerce_scalar(value, annotation, where)
+
+
+def _coerce_scalar(value: Any, annotation: Any, where: str) -> Any:
+    """bool, int, float (finite) and str, strictly: YAML's 1 is no boolean and true no number."""
     if annotation is bool:
         if isinstance(value, bool):
             return value

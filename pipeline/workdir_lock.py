@@ -205,6 +205,7 @@ def _acquire_local(workdir: str, path: str, record: dict, note: Note) -> _LocalL
     try:
         for _ in range(20):
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # O_CLOEXEC: Python fds are not inherited
+            ours = False  # the file holds (part of) our record: an error or a signal before we return removes it
             try:
                 locked = _flock(fd)
                 if locked is False:
@@ -229,11 +230,16 @@ def _acquire_local(workdir: str, path: str, record: dict, note: Note) -> _LocalL
                         reason = "it no longer holds the lock"
                     note(f"took over the workdir lock left by a run that is gone ({describe(previous)}): {reason}")
                 data = json.dumps(record, sort_keys=True).encode()
+                ours = True
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, data, 0)
+                os.pwrite(fd, data, 0)  # a full disk refuses it: the empty file must not stay behind
                 os.fsync(fd)
                 return _LocalLock(workdir, path, fd, created)
             except BaseException:
+                # SIGTERM right after the record was written (a run stopped as it starts) must not leave it behind.
+                with contextlib.suppress(OSError):
+                    if ours and _same_file(fd, path):
+                        os.unlink(path)  # still under our flock: nobody else has read it as theirs
                 with contextlib.suppress(OSError):
                     os.close(fd)
                 raise

@@ -189,3 +189,29 @@ def test_gpu_presets_fill_the_card(preset):
     assert first.max_seq_length == 128 and first.micro_batch_size >= 64
     assert first.global_batch_size == {"bert_large": 256, "bert_large_lamb": 65536}[preset]
     assert deepspeed_config(cfg, first, cfg.num_workers)["bf16"]["check_grad_overflow"] is False
+
+
+def test_zero0_without_a_norm_trains_on():
+    """DeepSpeed keeps no global gradient norm at ZeRO 0 in fp32 (None): not taken for a non-finite one."""
+    cfg = config(zero_stage=0, max_steps=6, log_every_steps=3)
+    with eh.process_group():
+        w = eh.worker(cfg)
+        position, last = train(w, cfg, eh.raw_batches(4 * cfg.max_steps, 4, 32))
+    assert w.engine.get_global_grad_norm() is None
+    assert position.step == 6 and len(w.history) == 2 and last["loss"] > 0
+
+
+def test_progress_says_once_what_the_work_is_doing(capsys):
+    """A status (e.g. 'compiling the model') is printed at once when it changes, not repeated on every poll."""
+    from bertpipe.pipeline import progress
+
+    progress.enable(True)
+    try:
+        shown = progress.Progress("pretrain", 40, "steps")
+        for _ in range(3):  # the driver's poll hands the same fields over and over
+            shown.set(0, status="compiling the model (torch.compile, first step)")
+        shown.set(0, status="model compiled in 12 s")
+    finally:
+        progress.enable(False)
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.strip()]
+    assert lines == ["  pretrain: compiling the model (torch.compile, first step)", "  pretrain: model compiled in 12 s"]

@@ -86,7 +86,8 @@ def _trial_runs(tracking_uri: str) -> list[str]:
 
     client = mlflow.MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name("bertpipe")
-    return sorted(r.info.run_name for r in client.search_runs([exp.experiment_id], "tags.`bertpipe.kind` = 'glue_trial'"))
+    trials = client.search_runs([exp.experiment_id], "tags.`bertpipe.kind` = 'glue_trial'")
+    return sorted(r.info.run_name for r in trials)
 
 
 @pytest.mark.integration

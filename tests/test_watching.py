@@ -116,5 +116,6 @@ def test_failed_stage_is_marked_failed_with_error_and_traceback(watched):
     assert parent.info.status == "FAILED" and parent.data.tags["bertpipe.status"] == "failed"
     stage = [r for r in client.search_runs([parent.info.experiment_id])
              if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id][0]
-    assert stage.info.status == "FAILED" and "every GLUE task failed" in stage.data.tags["bertpipe.error"]
+    assert stage.info.status == "FAILED" and "1 of 1 requested GLUE tasks failed: MRPC: trial MRPC/lr=0.0001/seed=1: " \
+        "ValueError: " in stage.data.tags["bertpipe.error"]
     assert "traceback.txt" in [a.path for a in client.list_artifacts(stage.info.run_id)]

@@ -7,12 +7,10 @@ ask for; so any failure fails the stage, and the finished trials are kept (pipel
 """
 from __future__ import annotations
 
-import re
-
+from bertpipe.jobs.causes import first_line, strip_ansi
 from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageInputError
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 MAX_CAUSE = 300  # characters per failure: the whole message stays one readable line
 
 
@@ -25,19 +23,13 @@ class TasksUnreadable(TrialsFailed, StageInputError):
 
 
 def cause_line(exc: BaseException) -> str:
-    """`Type: message`, first line only, of what a trial raised: the original error out of Ray's wrapper (whose
-    text carries the remote traceback), no terminal colour codes."""
-    seen = set()
-    while any(c.__name__ == "RayTaskError" for c in type(exc).__mro__) and getattr(exc, "cause", None) is not None \
-            and id(exc) not in seen:
-        seen.add(id(exc))
-        exc = exc.cause
-    text = _ANSI.sub("", str(exc)).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    """What a trial raised, in one line: the original error out of Ray's wrapper (whose text carries the remote
+    traceback), no colour codes (jobs/causes.py); the whole traceback is in the run's log file."""
+    return first_line(exc)
 
 
 def one_line(text: str) -> str:
-    text = " ".join(_ANSI.sub("", text).split())
+    text = " ".join(strip_ansi(text).split())
     return text if len(text) <= MAX_CAUSE else text[:MAX_CAUSE - 3] + "..."
 
 

@@ -78,14 +78,17 @@ def sweep(job: str, body: Callable, ctx: StageContext, recipe, model_files: dict
     trials, results = plan_grid(job, recipe, ctx, parent, base, result_cls)
     todo = [i for i, r in enumerate(results) if r is None]
     log.info("%s: %d trials to run, %d kept from a failed run", job, len(todo), len(trials) - len(todo))
+
+    def done(k: int, result: Any) -> None:  # as each trial ends: commit it, or delete what it half wrote
+        i = todo[k]
+        results[i] = result
+        if isinstance(result, BaseException):
+            parts.drop(ctx.output_uri, trials[i].part)
+        else:
+            kept.save(ctx.output_uri, trials[i].part, trials[i].cache_key, result)
+
     if todo:
-        ran = run_grid(job, body, ray.put(model_files), ray.put(data), [trials[i] for i in todo], recipe)
-        for i, result in zip(todo, ran):
-            results[i] = result
-            if isinstance(result, BaseException):
-                parts.drop(ctx.output_uri, trials[i].part)  # half done: nothing of it stays
-            else:
-                kept.save(ctx.output_uri, trials[i].part, trials[i].cache_key, result)
+        run_grid(job, body, ray.put(model_files), ray.put(data), [trials[i] for i in todo], recipe, done)
     failed = {t.key: failures.cause_line(r) for t, r in zip(trials, results) if isinstance(r, BaseException)}
     if failed:
         raise failures.requested_failed(f"{job} trials", failed, len(trials), ctx.output_uri,
@@ -104,8 +107,10 @@ def _remote_body(body: Callable, model_files: dict[str, bytes], data: Any, lr: f
         return body(tmp, data, lr, seed, recipe, lambda epoch, row: run.log_metrics(row, step=epoch))
 
 
-def run_grid(job: str, body: Callable, model_ref, data_ref, trials: list[GridTrial], recipe) -> list[Any]:
-    """Every trial's result, or its exception, in order; progress shows the best score so far."""
+def run_grid(job: str, body: Callable, model_ref, data_ref, trials: list[GridTrial], recipe,
+             on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """Every trial's result, or its exception, in order; progress shows the best score so far. `on_done(index,
+    result or exception)` as each trial ends (a sweep stopped half way keeps what finished)."""
     import ray
 
     remote = ray.remote(_remote_body).options(num_cpus=recipe.cpus_per_trial, num_gpus=recipe.gpus_per_trial,
@@ -134,6 +139,8 @@ def run_grid(job: str, body: Callable, model_ref, data_ref, trials: list[GridTri
             log.info("%s: trial %s failed: %s", job, trials[i].key, e)
             trials[i].run.set_tag("bertpipe.error", failures.cause_line(e))
         trials[i].run.end(not isinstance(results[i], BaseException))
+        if on_done is not None:
+            on_done(i, results[i])
         progress.add(1, **({"best": best} if best > float("-inf") else {}))
     progress.close()
     return results

@@ -1,12 +1,12 @@
 """The `finetune` stage: GLUE fan-out on Ray — one trial per (task × learning rate × seed), in parallel.
 
-The driver reads every present task once (a bad file fails that task alone, with the file and line), ships the
-parsed rows and the initial checkpoint's files through the object store, and runs `trial.run_trial` as Ray tasks
-with `cpus_per_trial` CPUs each, at most `max_concurrent_trials` at a time. Per task the trial with the best
-final-epoch dev score wins (the paper picks the learning rate on dev); its test predictions become the GLUE
-submission files. MLflow: the stage's run is the sweep parent, one child run per task, one grandchild per trial
-with per-epoch metrics (logged by the trial itself); the parent gets each task's best dev score, the GLUE score
-and the summary table as artifacts.
+The driver reads every present task once (a bad file fails that task, with the file and line; the other tasks
+still run, so that their trials are kept for the rerun), ships the parsed rows and the initial checkpoint's files
+through the object store, and runs `trial.run_trial` as Ray tasks with `cpus_per_trial` CPUs each, at most
+`max_concurrent_trials` at a time. Per task the trial with the best final-epoch dev score wins (the paper picks
+the learning rate on dev); its test predictions become the GLUE submission files. MLflow: the stage's run is the
+sweep parent, one child run per task, one grandchild per trial with per-epoch metrics (logged by the trial
+itself); the parent gets each task's best dev score, the GLUE score and the summary table as artifacts.
 
 Every requested task must succeed, every trial of it included: a sweep that drops one reports a GLUE score over
 tasks nobody chose. A failed task or trial fails the stage (its error names each, one line), and the trials that
@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from bertpipe.jobs.downstream import failures, kept
 from bertpipe.jobs.finetune.config import FinetuneConfig
@@ -165,9 +165,10 @@ class Trial:
                 self.save_uri)
 
 
-def run_trials(trials: list[Trial], cfg: FinetuneConfig) -> list[TrialResult | BaseException]:
+def run_trials(trials: list[Trial], cfg: FinetuneConfig,
+               on_done: Callable[[Trial, Any], None] | None = None) -> list[TrialResult | BaseException]:
     """Run the trials as Ray tasks, at most max_concurrent_trials at once; each trial's result or exception, in
-    order."""
+    order. `on_done(trial, result or exception)` as each one ends (a sweep stopped half way keeps what finished)."""
     import ray
 
     remote = ray.remote(_trial_body).options(num_cpus=cfg.cpus_per_trial, num_gpus=cfg.gpus_per_trial,
@@ -193,6 +194,8 @@ def run_trials(trials: list[Trial], cfg: FinetuneConfig) -> list[TrialResult | B
             results[i] = e
             # The log file gets the remote traceback; the console gets the stage's one-line error at the end.
             log.info("finetune: trial %s failed: %s", trials[i].key, e)
+        if on_done is not None:
+            on_done(trials[i], results[i])
         progress.add(1, **best)
     progress.close()
     return results
@@ -260,9 +263,10 @@ def make_trials(outcome: TaskOutcome, data, cfg: FinetuneConfig, ctx: StageConte
 
 
 def run_and_keep(todo: list[Trial], cfg: FinetuneConfig, out_uri: str) -> None:
-    """Run the trials; commit each one that finishes as a part (the rerun will not redo it), delete whatever a
-    failed one wrote (half done: nothing of it stays)."""
-    for trial, result in zip(todo, run_trials(todo, cfg) if todo else []):
+    """Run the trials; commit each one as it finishes as a part (a rerun, even after Ctrl-C, will not redo it),
+    delete whatever a failed one wrote (half done: nothing of it stays)."""
+
+    def done(trial: Trial, result: Any) -> None:
         trial.result = result
         if isinstance(result, BaseException):
             trial.run.set_tag("bertpipe.error", failures.cause_line(result))
@@ -270,6 +274,9 @@ def run_and_keep(todo: list[Trial], cfg: FinetuneConfig, out_uri: str) -> None:
         else:
             kept.save(out_uri, trial.part, trial.cache_key, result)
         trial.run.end(not isinstance(result, BaseException))
+
+    if todo:
+        run_trials(todo, cfg, done)
 
 
 def gather(trials: list[Trial], outcomes: list[TaskOutcome], out_uri: str) -> None:
@@ -306,7 +313,7 @@ def keep_best_models(out_uri: str, trials: list[Trial]) -> list[str]:
 
 
 def end_task_runs(outcomes: list[TaskOutcome]) -> None:
-    """A failing stage: each task's MLflow run ends, a failed one FAILED with its error as a tag."""
+    """Each task's MLflow run ends: a failed one FAILED, with its error as a tag."""
     for o in outcomes:
         if o.run is not None:
             if o.errors:

@@ -3,6 +3,9 @@ by entity F1 on the eval file, its predictions in CoNLL format (`word gold predi
 conlleval reads) and conlleval's figures.
 
 Outputs: predictions.txt, metrics.json (precision / recall / f1 / per-type f1 in %, counts), summary.md.
+
+Every trial of the grid must succeed: one that fails fails the stage, naming it, and the finished ones are kept
+for the rerun (jobs/downstream/fanout.sweep).
 """
 from __future__ import annotations
 

@@ -189,6 +189,12 @@ def validate(cfg: PretrainConfig) -> None:
             bad(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.eval_every_steps < 0 or cfg.max_failures < 0 or cfg.shuffle_buffer_rows < 0:
         bad("eval_every_steps, max_failures and shuffle_buffer_rows must be >= 0")
+    _check_numbers(cfg, bad)
+    _check_phases(cfg, bad)
+
+
+def _check_numbers(cfg: PretrainConfig, bad) -> None:
+    """Optimizer and masking numbers in their ranges."""
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             bad(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
@@ -201,6 +207,10 @@ def validate(cfg: PretrainConfig) -> None:
         bad(f"masked_lm_prob must be in (0, 1), got {cfg.masked_lm_prob}")
     if cfg.decay_power <= 0:
         bad(f"decay_power must be > 0, got {cfg.decay_power}")
+
+
+def _check_phases(cfg: PretrainConfig, bad) -> None:
+    """Each phase's lengths, batch sizes and schedule, and that the batch splits over the workers."""
     previous = 0
     for i, ph in enumerate(cfg.phases, 1):
         where = f"phases[{i - 1}]"

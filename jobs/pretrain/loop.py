@@ -311,7 +311,7 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
 def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
     """train_step; the first one of a compiled model also tells the console that it is compiling, and how long it
     took (minutes for BERT-Large), instead of leaving a silent gap."""
-    if not compile_enabled(w.spec.pretrain) or getattr(w, "compiled", False):
+    if not compile_enabled(w.spec.pretrain) or w.compiled:
         return train_step(w, batch, dropout_seed)
     if w.rank == 0:
         w.spec.progress.set(0, status="compiling the model (torch.compile, first step)")

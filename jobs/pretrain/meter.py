@@ -60,9 +60,9 @@ class Meter:
         self.host["data_wait"] += wait
 
     def end_step(self, step: int, grad_norm) -> None:
-        """At an optimizer step: remember it if its summed loss or the global gradient norm is not finite."""
-        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
-            float("nan") if grad_norm is None else float(grad_norm))
+        """At an optimizer step: remember it if its summed loss or the global gradient norm is not finite. A norm
+        of None (DeepSpeed keeps none at ZeRO 0 in fp32) is not checked."""
+        norm = grad_norm if torch.is_tensor(grad_norm) else torch.tensor(0.0 if grad_norm is None else float(grad_norm))
         ok = torch.stack([torch.isfinite(self.step_loss), torch.isfinite(norm.to(self.device).float())])
         self.first_bad = torch.where((self.first_bad == NO_STEP) & ~ok, float(step), self.first_bad)
         self.step_loss = torch.zeros((), dtype=torch.float32, device=self.device)

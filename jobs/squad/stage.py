@@ -4,6 +4,9 @@ trial by eval F1, and its official-format predictions beside the metrics.
 Outputs: predictions.json ({question id: answer text}, the official format; "" = no answer in v2.0),
 metrics.json (exact_match / f1 in %, v2.0 also HasAns_ / NoAns_ and the tuned null threshold),
 null_odds.json (v2.0: question id -> null score minus best span score), summary.md (every trial).
+
+Every trial of the grid must succeed: one that fails fails the stage, naming it, and the finished ones are kept
+for the rerun (jobs/downstream/fanout.sweep).
 """
 from __future__ import annotations
 
