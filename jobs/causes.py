@@ -32,16 +32,20 @@ def _task_name(text: str) -> str:
 
 
 def _root_error_line(text: str) -> str:
-    """The first error line of a printed traceback that is not Ray's own wrapper: Python prints a chain root first."""
+    """The error line that ends the first traceback printed in `text` (Python prints a chain root first), skipping
+    Ray's own wrappers; "" when `text` holds no traceback."""
+    in_traceback = False
     for line in text.splitlines():
-        if _ERROR_LINE.match(line) and not line.startswith(_RAY_WRAPPERS):
+        if line.startswith('  File "'):
+            in_traceback = True
+        elif in_traceback and _ERROR_LINE.match(line) and not line.startswith(_RAY_WRAPPERS):
             return line.strip()
     return ""
 
 
 def first_line(exc: BaseException) -> str:
     """What to tell a user about `exc`, in one line without colour codes."""
-    if _remote(exc):
+    if _remote(exc):  # RayTaskError, and Ray's errors that carry a worker's traceback as text (Ray Train's)
         cause = getattr(exc, "cause", None)
         text = strip_ansi(str(exc))
         where = _task_name(text)

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bertpipe.jobs import causes, interrupts
+from bertpipe.jobs import causes, ending, interrupts
 from bertpipe.jobs.configtools import ConfigError
 from bertpipe.pipeline import redact
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _configure_logging(verbose: bool) -> None:
     """Console: warnings (everything with --verbose); the run's log file gets everything (see _log_file)."""
+    # MLflow writes "View run ... at: <tracking URI>" straight to stdout, user:password included: never.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if not verbose:
         # Read when MLflow and Ray Data set up their own loggers (they install handlers of their own).
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
@@ -231,6 +233,8 @@ def _configure_logging(verbose: bool) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    handler.addFilter(ending.console_filter)  # quiet while a failed run cleans up: it ends with three lines
+    ending.enable()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     for name in ("alembic", "mlflow", "urllib3", "filelock", "fsspec"):

@@ -46,15 +46,22 @@ def _write(workdir: str, runs: list[dict]) -> None:
 
 
 def remember(workdir: str, tracking_uri: str, run_id: str) -> None:
-    """Record a workflow run as open (call right after creating it)."""
+    """Record a workflow run as open (call right after creating it). Best effort: a record the workdir refuses (a
+    full disk) only loses the next run's safety net, and the run still closes its MLflow runs itself."""
     entry = {"run_id": run_id, "tracking_uri": mask(tracking_uri), "host": socket.gethostname(), "pid": os.getpid(),
              "started": time.time()}
-    _write(workdir, [*_read(workdir), entry])
+    try:
+        _write(workdir, [*_read(workdir), entry])
+    except OSError as exc:
+        log.info("could not record MLflow run %s in %s: %s", run_id, _uri(workdir), exc)
 
 
 def forget(workdir: str, run_id: str) -> None:
     """The run is closed (FINISHED, FAILED or KILLED reached the store): nothing left for the next run to do."""
-    _write(workdir, [r for r in _read(workdir) if r["run_id"] != run_id])
+    try:
+        _write(workdir, [r for r in _read(workdir) if r["run_id"] != run_id])
+    except OSError as exc:  # the next run finds the run already closed and leaves it as it is
+        log.info("could not update %s: %s", _uri(workdir), exc)
 
 
 def close_left_running(workdir: str, tracking_uri: str, note: Callable[[str], None]) -> None:
@@ -86,4 +93,7 @@ def close_left_running(workdir: str, tracking_uri: str, note: Callable[[str], No
             note(f"marked {len(marked)} MLflow run{'s' if len(marked) > 1 else ''} that an earlier run of this "
                  f"workdir ({who}) left RUNNING as KILLED (workflow run {entry['run_id']})")
     if len(kept) != len(runs):
-        _write(workdir, kept)
+        try:
+            _write(workdir, kept)
+        except OSError as exc:  # the closed runs are simply found closed next time
+            log.info("could not update %s: %s", _uri(workdir), exc)

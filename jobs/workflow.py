@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from bertpipe.jobs import console, run_record
+from bertpipe.jobs import console, ending, run_record
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.pipeline import outputs, parts, storage
-from bertpipe.jobs.interrupts import describe as describe_interrupt
+from bertpipe.jobs.interrupts import describe as describe_interrupt, reinstall as reinstall_interrupts
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.identity import describe_tree
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -332,6 +332,7 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     plans = plans if plans is not None else preflight(cfg, selected)
     name = config_name or "custom"
     code = git_tags()  # once per run: every run of the workflow and every manifest names the same code
+    ending.reset()  # the console is this run's again (a failed run before it in this process had quieted it)
     # Runs that an earlier run of this workdir left RUNNING (its driver was killed) become KILLED; this run's own
     # id is recorded until it is closed, for the next run to do the same (jobs/run_record.py).
     run_record.close_left_running(cfg.workdir, resolved_tracking_uri(cfg), lambda line: console.error(f"note: {line}"))
@@ -387,6 +388,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
     try:
         manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code), keep_parts=not force)
     except BaseException as exc:
+        ending.begin()
         if isinstance(exc, KeyboardInterrupt):  # a signal: the run is KILLED, and the CLI says in which stage
             run.kill(f"{describe_interrupt(exc)} while stage {stage.name} ran")
             exc.stage = stage.name
@@ -398,6 +400,9 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
     finally:
         if monitor is not None:
             monitor.finish()
+        # Ray Train's fit takes SIGINT for its own graceful abort and leaves its handler behind (it then calls
+        # sys.exit(0) on Ctrl-C): the next stage gets the run's handler back.
+        reinstall_interrupts()
     return {"stage": stage.name, "action": "ran", "rows": manifest["num_rows"], "seconds": manifest["seconds"]}
 
 
@@ -430,8 +435,8 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
             inputs={n: (i.manifest["output_id"] if i.manifest else i.uri) for n, i in plan.inputs.items()},
             started=started, code_version=version,
         )
-    except BaseException:
-        _after_failure(uri, run_id)
+    except BaseException as exc:
+        _after_failure(uri, run_id, exc)
         raise
     outputs.release(uri)
     # Only the final figures the stage did not log into its run itself (no duplicate MLflow points).
@@ -445,12 +450,20 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     return manifest
 
 
-def _after_failure(uri: str, run_id: str) -> None:
+def _after_failure(uri: str, run_id: str, exc: BaseException) -> None:
     """A stage failed or was interrupted: stop its writers first (Ray tasks of this run go on writing otherwise),
     then remove its temporary files (a full disk gets its space back), then record what it left so the next run
     may delete it. Each step best effort: the stage's own error is the one to report."""
+    import gc
+
     from bertpipe.jobs.cluster import stop_writers
 
+    ending.begin()  # what the cleanup meets goes to the log file; the console ends with the CLI's three lines
+    # The stage's frames, kept alive by the traceback, hold its Ray Data iterators: dropped now, while Ray is still
+    # up, they shut their executors down (cancelling the dataset's tasks) instead of failing later, in __del__,
+    # against a Ray that is gone. The traceback keeps its file names and lines for the log.
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
     for step, args in ((stop_writers, ()), (outputs.remove_temps, (uri,)), (outputs.record_failure, (uri, run_id))):
         try:
             step(*args)

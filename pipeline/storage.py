@@ -136,9 +136,18 @@ def write_bytes(uri: str, data: bytes) -> None:
     fs, path = resolve(uri)
     fs.create_dir(posixpath.dirname(path) if "://" in uri else os.path.dirname(path), recursive=True)
     tmp = temp_path(path)
-    with fs.open_output_stream(tmp) as f:
-        f.write(data)
-    fs.move(tmp, path)
+    try:
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+        fs.move(tmp, path)
+    except BaseException:
+        # A write the disk refused (full) or a signal: no half-written temporary file stays behind.
+        try:
+            if fs.get_file_info(tmp).type == pafs.FileType.File:
+                fs.delete_file(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def is_file(uri: str) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bertpipe.jobs.configtools import stable_hash, to_dict
+from bertpipe.jobs.interrupts import Interrupted
 from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning, validate
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
@@ -221,7 +223,12 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     with remote_progress("pretrain", cfg.max_steps, "steps", _describe) as progress:
-        result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
+        try:
+            result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
+        except SystemExit as exc:
+            # Ray Train's controller answers Ctrl-C by aborting the run and sys.exit(0): a user's interrupt, and
+            # the CLI must end it as one (exit 130, MLflow runs KILLED), not as a success.
+            raise Interrupted(signal.SIGINT) from exc
     stopped = take_stop_reason(storage_path, spec.run_name)
     if stopped:
         raise NonFiniteError(stopped)
