@@ -122,34 +122,37 @@ class RunLogger:
         if self.active:
             self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
-    def log_torch_model(self, model, registered_name: str) -> str:
-        """Log a torch module as an MLflow model of this run and register it under `registered_name`; returns
-        the model URI ("" when inactive). The fluent API is the only way MLflow logs models: it is confined here,
-        bound to this run and this tracking URI for the duration of the call."""
+    def log_export(self, export_dir: str, registered_name: str, hidden_size: int) -> str:
+        """Log an export folder (safetensors + config.json + vocab.txt) as an MLflow model of this run — code
+        (jobs/pretrain/pyfunc_model.py) plus the folder, no pickle — and register it under `registered_name`;
+        returns the model URI ("" when inactive). The fluent API is the only way MLflow logs models: it is
+        confined here, bound to this run and this tracking URI for the duration of the call."""
         if not self.active:
             return ""
         import mlflow
-        import mlflow.pytorch
-
+        import numpy as np
         import torch
+        from mlflow.models import ModelSignature
+        from mlflow.types import DataType
+        from mlflow.types.schema import Array, ColSpec, Schema, TensorSpec
 
+        from bertpipe.jobs.pretrain import pyfunc_model
+
+        signature = ModelSignature(inputs=Schema([ColSpec(Array(DataType.long), "input_ids")]),
+                                   outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, hidden_size))]))
         # set_tracking_uri also writes MLFLOW_TRACKING_URI into the environment (inherited by Ray workers
         # started later): put both back exactly as they were.
         previous, env = mlflow.get_tracking_uri(), os.environ.get("MLFLOW_TRACKING_URI")
         mlflow.set_tracking_uri(self.coordinates["tracking_uri"])
         chatter = io.StringIO()  # MLflow prints "Successfully registered model ..." itself: keep it to the log file
-        # Its pickle-format caution is for loading untrusted files; ours are our own model, saved by us.
-        flavor_log = logging.getLogger("mlflow.pytorch")
-        flavor_level = flavor_log.level
-        flavor_log.setLevel(logging.ERROR)
         try:
             with mlflow.start_run(run_id=self.run_id), redirect_stdout(chatter), redirect_stderr(chatter):
                 # Explicit requirements: inferring them imports and inspects the whole environment (slow).
-                info = mlflow.pytorch.log_model(model, name="model", registered_model_name=registered_name,
-                                                serialization_format="pickle",
-                                                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+                info = mlflow.pyfunc.log_model(
+                    name="model", python_model=pyfunc_model.__file__, artifacts={"export": export_dir},
+                    registered_model_name=registered_name, signature=signature,
+                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "transformers", "safetensors"])
         finally:
-            flavor_log.setLevel(flavor_level)
             logging.getLogger(__name__).info("mlflow: %s", chatter.getvalue().strip())
             mlflow.set_tracking_uri(previous)
             if env is None:

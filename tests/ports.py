@@ -6,6 +6,7 @@ test sees it free and the moment the head binds it. Below the range, only an exp
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -41,3 +42,18 @@ def free_port_block(size: int = 10) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no free port block below the ephemeral range")
+
+
+@contextlib.contextmanager
+def silent_server():
+    """An 'MLflow server' that takes connections (the kernel's backlog does) and never answers a request."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/"
+
+
+def closed_port_uri() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}/"  # nothing listens once the socket is closed

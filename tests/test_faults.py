@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ports import free_port_block
+from ports import closed_port_uri, free_port_block, silent_server
 
 BIN = Path(sys.executable).parent
 PASSWORD = "Hunter2-x9Q"  # in the MLflow URI of the SIGTERM test: must never be shown
@@ -167,21 +167,6 @@ def assert_writers_stopped(workdir: Path, ray_tmp: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------------------------
 # An MLflow server that does not answer: one line before anything is written (no Ray, seconds)
-
-
-@contextlib.contextmanager
-def silent_server():
-    """Accepts connections (the kernel's backlog does) and never answers a request."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(16)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/"
-
-
-def closed_port_uri() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}/"
 
 
 def test_unreachable_mlflow_server_is_one_line_and_nothing_is_written(tmp_path):

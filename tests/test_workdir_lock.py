@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ports import free_port_block
+from ports import closed_port_uri, free_port_block, silent_server
 
 BIN = Path(sys.executable).parent
 HOST = socket.gethostname()
@@ -44,21 +44,6 @@ def run_args(workdir: str, tracking: str) -> list[str]:
 def rundir(tmp_path) -> Path:
     (tmp_path / "corpus.txt").write_text("One sentence here. Another one.\n\nA second document.\n")
     return tmp_path
-
-
-@contextlib.contextmanager
-def silent_server():
-    """An 'MLflow server' that takes connections (the kernel's backlog does) and never answers a request."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(16)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-def closed_port_uri() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens once the socket is closed
 
 
 def read_record(path: Path) -> dict:

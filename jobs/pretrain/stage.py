@@ -161,18 +161,17 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
 
 
 def register(run: RunLogger, export_uri: str, registered_name: str) -> str:
-    """The exported model as an MLflow model of the stage's run, registered under `registered_name`."""
+    """The exported model as an MLflow model of the stage's run (its safetensors, config and vocabulary, loaded by
+    code: jobs/pretrain/pyfunc_model.py), registered under `registered_name`."""
     if not (run.active and registered_name):
         return ""
     import tempfile
 
-    from bertpipe.model import BertForPreTraining, load_pretrained
-
     with tempfile.TemporaryDirectory() as tmp:
         for name in EXPORT_FILES:
-            storage.write_bytes(f"{tmp}/{name}", storage.read_bytes(storage.join(export_uri, name)))
-        model = load_pretrained(tmp, BertForPreTraining)
-    return run.log_torch_model(model, registered_name)
+            storage.write_bytes(f"{tmp}/export/{name}", storage.read_bytes(storage.join(export_uri, name)))
+        hidden = json.loads(storage.read_text(f"{tmp}/export/config.json"))["hidden_size"]
+        return run.log_export(f"{tmp}/export", registered_name, hidden)
 
 
 def write_learning(ctx: StageContext, cfg: PretrainConfig, tokens: list[str], history: list[dict],
