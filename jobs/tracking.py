@@ -7,6 +7,7 @@ nests a run per GLUE task and one per trial below its stage run.
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import logging
@@ -136,7 +137,8 @@ class RunLogger:
         from mlflow.types import DataType
         from mlflow.types.schema import Array, ColSpec, Schema, TensorSpec
 
-        from bertpipe.jobs.pretrain import pyfunc_model
+        # The loader's path without importing it: MLflow runs it while logging (its console chatter captured below).
+        loader = importlib.util.find_spec("bertpipe.jobs.pretrain.pyfunc_model").origin
 
         signature = ModelSignature(inputs=Schema([ColSpec(Array(DataType.long), "input_ids")]),
                                    outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, hidden_size))]))
@@ -149,7 +151,7 @@ class RunLogger:
             with mlflow.start_run(run_id=self.run_id), redirect_stdout(chatter), redirect_stderr(chatter):
                 # Explicit requirements: inferring them imports and inspects the whole environment (slow).
                 info = mlflow.pyfunc.log_model(
-                    name="model", python_model=pyfunc_model.__file__, artifacts={"export": export_dir},
+                    name="model", python_model=loader, artifacts={"export": export_dir},
                     registered_model_name=registered_name, signature=signature,
                     pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "transformers", "safetensors"])
         finally:
