@@ -68,12 +68,11 @@ def test_preflight_names_the_bad_file(tmp_path, tiny_bert):
         workflow.preflight(cfg, ["squad"])  # no pre-training output and no init
 
 
-@pytest.mark.integration
-def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
+def squad_setup(tmp_path):
+    """Two learning rates on a tiny SQuAD file, and an MLflow store with a "squad" experiment."""
     import mlflow
 
     from bertpipe.jobs.squad.config import SquadConfig
-    from bertpipe.jobs.squad.stage import run_stage
 
     path = squad_file(tmp_path / "squad.json")
     cfg = SquadConfig(train_file=path, eval_file=path, train_articles=(0, 2), eval_articles=(2, 3), max_seq_length=64,
@@ -81,6 +80,14 @@ def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     exp = client.create_experiment("squad", artifact_location=(tmp_path / "artifacts").as_uri())
+    return cfg, uri, client, exp
+
+
+@pytest.mark.integration
+def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
+    from bertpipe.jobs.squad.stage import run_stage
+
+    cfg, uri, client, exp = squad_setup(tmp_path)
     parent = client.create_run(exp, run_name="squad").info.run_id
     ctx = StageContext(name="squad", output_uri=str(tmp_path / "out"), config={"squad": cfg}, seed=5,
                        inputs={"pretrain": StageInput("pretrain", str(tiny_bert), None, explicit=True)},
@@ -104,18 +111,10 @@ def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
 def test_a_failed_squad_trial_fails_the_stage_and_the_rerun_runs_only_it(faults, tiny_bert, tmp_path):
     """One of two trials raises (injected on its Ray worker): the stage fails naming it with its cause and commits
     nothing, the other trial is kept; the rerun runs the failed trial alone and writes the outputs."""
-    import mlflow
-
     from bertpipe.jobs.downstream.failures import TrialsFailed
-    from bertpipe.jobs.squad.config import SquadConfig
     from bertpipe.jobs.squad.stage import run_stage
 
-    path = squad_file(tmp_path / "squad.json")
-    cfg = SquadConfig(train_file=path, eval_file=path, train_articles=(0, 2), eval_articles=(2, 3), max_seq_length=64,
-                      max_query_length=16, doc_stride=16, learning_rates=(1e-3, 5e-4), batch_size=2, num_epochs=1)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client = mlflow.MlflowClient(uri)
-    exp = client.create_experiment("squad", artifact_location=(tmp_path / "artifacts").as_uri())
+    cfg, uri, client, exp = squad_setup(tmp_path)
     out = tmp_path / "out"
 
     def run(parent: str):

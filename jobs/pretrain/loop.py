@@ -193,9 +193,10 @@ def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict
     if compile_enabled(w.spec.pretrain) and not w.eval_compiled and w.rank == 0:
         w.spec.progress.set(w.engine.global_steps, status="compiling the model for evaluation (first evaluation)")
     w.eval_compiled = True
-    sums = dict.fromkeys(("mlm_correct", "mlm_count", "nsp_correct", "sequences", "mlm_loss"), 0.0)
+    names = ("mlm_correct", "mlm_count", "nsp_correct", "mlm_loss")
+    totals = torch.zeros(len(names), dtype=torch.float64, device=w.device)  # summed on the device, read once below
+    sequences = 0  # known on the host: no device tensor needed
     w.engine.eval()
-    totals = None
     with torch.no_grad():
         it = shard.iter_batches(batch_size=32, batch_format="numpy", drop_last=False, prefetch_batches=2)
         for i, raw in enumerate(it):
@@ -203,12 +204,11 @@ def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict
                 break
             out = forward(w, to_device(collate(raw, spec, batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, i)),
                                        w.device))
-            figures = torch.stack([out.mlm_correct.float(), out.mlm_count.float(), out.nsp_correct.float(),
-                                   torch.tensor(float(len(raw["next_sentence_label"])), device=out.loss.device),
+            totals += torch.stack([out.mlm_correct.float(), out.mlm_count.float(), out.nsp_correct.float(),
                                    out.mlm_loss.detach().float() * out.mlm_count.float()]).double()
-            totals = figures if totals is None else totals + figures  # summed on the device, read once below
+            sequences += len(raw["next_sentence_label"])
     w.engine.train()
-    s = dict(zip(sums, all_sum(totals.tolist() if totals is not None else list(sums.values()), w.device)))
+    s = dict(zip(names + ("sequences",), all_sum([*totals.tolist(), float(sequences)], w.device)))
     return {"eval_mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1),
             "eval_nsp_accuracy": s["nsp_correct"] / max(s["sequences"], 1),
             "eval_mlm_loss": s["mlm_loss"] / max(s["mlm_count"], 1), "eval_sequences": s["sequences"]}

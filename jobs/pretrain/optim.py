@@ -64,6 +64,7 @@ class Lamb(torch.optim.Optimizer):
         # (flat tensor, its layout); matched by identity: torch's load_state_dict rebuilds the group dicts but
         # keeps the tensors, so a layout survives a checkpoint load. Not state: it depends on the world size.
         self._layouts: list[tuple[torch.Tensor, FlatLayout]] = []
+        self._piece_cache: dict[tuple[int, Any], Pieces] = {}  # a layout as device index tensors, built once
 
     def set_layout(self, tensor: torch.Tensor, layout: FlatLayout) -> None:
         for j, start, end in layout.segments:
@@ -124,7 +125,8 @@ class Lamb(torch.optim.Optimizer):
             if group["weight_decay"] == 0:  # no decay, no trust ratio (NVIDIA: use_nvlamb=False)
                 torch._foreach_add_(params, [(u * -lr).to(p.dtype) for p, u in zip(params, updates)])
                 continue
-            whole = [(p, u) for p, u in zip(params, updates) if self.layout_of(p) is None]
+            layouts = [self.layout_of(p) for p in params]
+            whole = [(p, u) for p, u, lay in zip(params, updates, layouts) if lay is None]
             if whole:  # every tensor one parameter: one norm pair each, in two foreach calls
                 ps, us = [p for p, _ in whole], [u for _, u in whole]
                 w_norms = torch._foreach_norm([p.float() for p in ps])
@@ -132,13 +134,12 @@ class Lamb(torch.optim.Optimizer):
                 ratios = _ratios(torch.stack([torch.stack(w_norms), torch.stack(u_norms)], 1).square())
                 torch._foreach_mul_(us, list((ratios * -lr).unbind()))
                 torch._foreach_add_(ps, [u.to(p.dtype) for p, u in zip(ps, us)])
-            for p, update in zip(params, updates):
-                layout = self.layout_of(p)
+            for p, update, layout in zip(params, updates, layouts):
                 if layout is None:
                     continue
                 if layout.process_group is None:
-                    _apply(p, update, self._pieces(p, layout), _ratios(_segment_sums(p, update,
-                                                                                    self._pieces(p, layout))), lr)
+                    pieces = self._pieces(p, layout)
+                    _apply(p, update, pieces, _ratios(_segment_sums(p, update, pieces)), lr)
                 else:
                     pending.append((group, p, update, layout))
         if pending:
@@ -148,10 +149,9 @@ class Lamb(torch.optim.Optimizer):
     def _pieces(self, p: torch.Tensor, layout: FlatLayout) -> "Pieces":
         """The layout as device index tensors, built on a tensor's first step and kept (the layout is fixed)."""
         key = (id(p), p.device)
-        cached = getattr(self, "_piece_cache", {}).get(key)
+        cached = self._piece_cache.get(key)
         if cached is None or cached.layout is not layout:
-            cached = Pieces.of(layout, p.numel(), p.device)
-            self._piece_cache = {**getattr(self, "_piece_cache", {}), key: cached}
+            cached = self._piece_cache[key] = Pieces.of(layout, p.numel(), p.device)
         return cached
 
     def _step_split(self, pending: list) -> None:
@@ -159,12 +159,13 @@ class Lamb(torch.optim.Optimizer):
         groups = {id(lay.process_group): lay.process_group for *_, lay in pending}
         if len(groups) != 1:
             raise RuntimeError(f"Lamb step over {len(groups)} process groups; expected one data-parallel group")
-        sums = torch.cat([_segment_sums(p, update, self._pieces(p, lay)) for _, p, update, lay in pending])
+        pieces = [self._pieces(p, lay) for _, p, _, lay in pending]
+        sums = torch.cat([_segment_sums(p, update, pc) for (_, p, update, _), pc in zip(pending, pieces)])
         dist.all_reduce(sums, group=next(iter(groups.values())))
         ratios = _ratios(sums)
         offset = 0
-        for group, p, update, lay in pending:
-            _apply(p, update, self._pieces(p, lay), ratios[offset: offset + lay.num_params], group["lr"])
+        for (group, p, update, lay), pc in zip(pending, pieces):
+            _apply(p, update, pc, ratios[offset: offset + lay.num_params], group["lr"])
             offset += lay.num_params
 
 
