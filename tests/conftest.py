@@ -12,6 +12,22 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_tracking_uri_left_as_found():
+    """`mlflow.set_tracking_uri` also writes MLFLOW_TRACKING_URI into this process's environment, which the
+    workflow reads: a test that loaded a model through the registry once sent every later in-process run's
+    MLflow records to another store. Whatever a test sets, the next one starts from what was there before."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if os.environ.get("MLFLOW_TRACKING_URI") == before:
+        return
+    import mlflow
+
+    mlflow.set_tracking_uri(None)  # unsets the variable too
+    if before is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="session")
 def sample_dumps() -> dict[str, Path]:
     """The three real sample dumps from the gensim 4.4.0 wheel (downloaded once by `bertpipe fetch-sample`)."""

@@ -37,12 +37,8 @@ def test_registered_export_has_no_pickle_and_loads_from_weights(tmp_path):
     names = {p.name for p in files}
     assert {"model.safetensors", "config.json", "vocab.txt", "MLmodel"} <= names
     assert not [p for p in files if p.suffix in (".pkl", ".pickle", ".pth", ".pt")], names
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
-        loaded = mlflow.pyfunc.load_model(f"models:/bertpipe-test/{version.version}")
-    finally:
-        mlflow.set_tracking_uri(previous)
+    mlflow.set_tracking_uri(uri)  # conftest puts it (and the environment it writes) back after the test
+    loaded = mlflow.pyfunc.load_model(f"models:/bertpipe-test/{version.version}")
     assert loaded.metadata.get_input_schema().input_names() == ["input_ids"]
     rows = [[2, 10, 11, 3, 12, 3], [2, 20, 3, 21, 22, 23, 3]]
     got = loaded.predict(pd.DataFrame({"input_ids": rows}))

@@ -5,7 +5,6 @@ evaluations at the last step, a failed stage marked FAILED with its error and tr
 from __future__ import annotations
 
 import collections
-import os
 import re
 import shutil
 import subprocess
@@ -78,16 +77,9 @@ def test_pretrained_model_is_registered_and_loads(watched):
     client = _client(watched["workdir"])
     versions = client.search_model_versions("name='bertpipe-tiny'")
     assert len(versions) == 1
-    env = os.environ.get("MLFLOW_TRACKING_URI")
+    # conftest puts MLflow's tracking URI (and the environment it writes) back after the test.
     mlflow.set_tracking_uri(f"sqlite:///{watched['workdir'] / 'mlflow.db'}")
-    try:
-        model = mlflow.pyfunc.load_model(f"models:/bertpipe-tiny/{versions[0].version}")
-    finally:  # set_tracking_uri writes the environment: later tests in this process must not inherit it
-        mlflow.set_tracking_uri("")
-        if env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = env
+    model = mlflow.pyfunc.load_model(f"models:/bertpipe-tiny/{versions[0].version}")
     out = model.predict(pd.DataFrame({"input_ids": [[2, 10, 11, 3, 12, 3]]}))
     assert out.shape[0] == 1 and out.shape[1] > 0
 
