@@ -23,6 +23,24 @@ def within(section: str, obj: Any, name: str, low: float, high: float, *, high_o
         raise ValueError(f"{_key(section, name)} must be in [{low}, {high}{')' if high_open else ']'}, got {value}")
 
 
+# One bound for every sequence length of the project (pairs, pretrain phases, fine-tuning, features): room for
+# [CLS] A [SEP] B [SEP], and no more than BERT's 512-row position table.
+MIN_SEQ_LENGTH = 8
+MAX_SEQ_LENGTH = 512
+
+
+def sequence_length(section: str, obj: Any, name: str = "max_seq_length") -> None:
+    """ValueError naming `section.name` unless the length is in [MIN_SEQ_LENGTH, MAX_SEQ_LENGTH]."""
+    within(section, obj, name, MIN_SEQ_LENGTH, MAX_SEQ_LENGTH)
+
+
+def one_of(section: str, obj: Any, name: str, allowed: tuple[str, ...]) -> None:
+    """ValueError naming `section.name` unless the value is one of `allowed`."""
+    value = getattr(obj, name)
+    if value not in allowed:
+        raise ValueError(f"{_key(section, name)} must be one of {', '.join(allowed)}, got {value!r}")
+
+
 def _key(section: str, name: str) -> str:
     return f"{section}.{name}" if section else name  # "" = a top-level field (seed)
 

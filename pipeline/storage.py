@@ -10,6 +10,12 @@ import uuid
 import pyarrow.fs as pafs
 
 
+def is_remote(uri: str) -> bool:
+    """True for a URI with a scheme (s3://, gs://, https://, file://), False for a plain local path: the one
+    place the project tells the two apart."""
+    return "://" in uri
+
+
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it). A local path must already be absolute: relative paths are resolved once,
     on the driver, when the config is loaded; here, possibly on a Ray worker whose working directory is Ray's
