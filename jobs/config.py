@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from bertpipe.jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths, to_dict
-from bertpipe.jobs.finetune.config import FinetuneConfig
+from bertpipe.jobs.glue.config import FinetuneConfig
 from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.ner.config import NerConfig
 from bertpipe.jobs.squad.config import SquadConfig
-from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, validate
+from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig
+from bertpipe.pipeline import storage
 from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, at_least, path_field, within
 from bertpipe.pipeline.paths import WorkdirPaths
 
@@ -70,6 +71,11 @@ class RootConfig:
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
+def preset_names() -> list[str]:
+    """The bare names `--config` resolves to a preset (`tiny` for configs/tiny.yaml), sorted."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+
+
 def find_preset(name_or_path: str) -> Path:
     """`configs/tiny.yaml`, a path, or a bare preset name like `tiny`."""
     path = Path(name_or_path)
@@ -80,8 +86,7 @@ def find_preset(name_or_path: str) -> Path:
                       CONFIG_DIR / f"{name_or_path}.yaml"):
         if candidate.is_file():
             return candidate
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
-    raise ConfigError(f"config {name_or_path!r} not found (presets: {known})")
+    raise ConfigError(f"config {name_or_path!r} not found (presets: {preset_names()})")
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None,
@@ -96,10 +101,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         data["workdir"] = workdir
     try:
         cfg = from_dict(RootConfig, data)
-        validate(cfg.pretrain)
     except ConfigError:
         raise
-    except ValueError as exc:  # a __post_init__ / validate check: the same one-line user error
+    except ValueError as exc:  # a __post_init__ check: the same one-line user error
         raise ConfigError(str(exc)) from None
     return resolve_paths(cfg, base or os.getcwd())
 
@@ -111,7 +115,7 @@ def resolved_tracking_uri(cfg: RootConfig) -> str:
         return ""
     if uri:
         return uri
-    if "://" in cfg.workdir:
+    if storage.is_remote(cfg.workdir):
         return ""  # no sensible local default for a remote workdir: track only when told where
     return "sqlite:///" + WorkdirPaths(cfg.workdir).mlflow_db
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from bertpipe.jobs import console, ending, run_record
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.pipeline import outputs, parts, storage
+from bertpipe.pipeline import outputs, parts, progress, storage
 from bertpipe.jobs.interrupts import describe as describe_interrupt, reinstall as reinstall_interrupts
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.identity import describe_tree
@@ -60,10 +60,11 @@ STAGES: tuple[Stage, ...] = (
     Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.pairs:run_stage",
           explicit=(("clean", "pairs.input"), ("vocab", "vocab.path")), check="bertpipe.pipeline.vocab:preflight"),
     Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
-          explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")), check="bertpipe.jobs.pretrain.stage:preflight",
-          training=True),
-    Stage("finetune", ("finetune",), ("pretrain",), "bertpipe.jobs.finetune.stage:run_stage", "bertpipe.jobs.finetune.stage:describe_raw_inputs",
-          explicit=(("pretrain", "finetune.init"),), check="bertpipe.jobs.finetune.stage:preflight", training=True),
+          explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")),
+          check="bertpipe.jobs.pretrain.stage:preflight", training=True),
+    Stage("finetune", ("finetune",), ("pretrain",), "bertpipe.jobs.glue.stage:run_stage",
+          "bertpipe.jobs.glue.stage:describe_raw_inputs", explicit=(("pretrain", "finetune.init"),),
+          check="bertpipe.jobs.glue.stage:preflight", training=True),
     Stage("squad", ("squad",), ("pretrain",), "bertpipe.jobs.squad.stage:run_stage",
           "bertpipe.jobs.squad.stage:describe_raw_inputs", explicit=(("pretrain", "squad.init"),),
           check="bertpipe.jobs.squad.stage:preflight", training=True, opt_in=True),
@@ -75,6 +76,16 @@ STAGES: tuple[Stage, ...] = (
           check="bertpipe.jobs.features.stage:preflight", opt_in=True),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+# What a stage's manifest counts (its num_rows), as the console says it: "97 documents", "40 steps".
+UNITS = {"clean": "documents", "vocab": "vocabulary entries", "pairs": "instances", "pretrain": "steps",
+         "finetune": "trials", "squad": "eval questions", "ner": "eval sentences", "features": "sentences"}
+
+
+class RunSummary(list):
+    """What `run` returns: one row per stage (a list, as before), and the MLflow workflow run it made
+    (`workflow_run`: tracking_uri, experiment_id, run_id; empty when tracking is off)."""
+
+    workflow_run: dict[str, str] = {}
 
 
 class StageFailed(RuntimeError):
@@ -323,8 +334,9 @@ def headline_metrics(cfg: RootConfig) -> dict[str, float]:
 
 
 def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = None, force: bool = False,
-        verbose: bool = False, config_name: str = "", plans: dict[str, Plan] | None = None) -> list[dict[str, Any]]:
-    """Run the selected stages in order; returns one summary row per stage (ran / skipped).
+        verbose: bool = False, config_name: str = "", plans: dict[str, Plan] | None = None) -> RunSummary:
+    """Run the selected stages in order; returns one summary row per stage (ran / skipped), and the MLflow
+    workflow run (RunSummary.workflow_run).
 
     `plans`: the result of `preflight` when the caller already ran it (the CLI does, before opening its log).
     Raises StageInputError / ValueError from the preflight (nothing started) or StageFailed (a stage raised)."""
@@ -344,8 +356,9 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     if parent.active:
         run_record.remember(cfg.workdir, resolved_tracking_uri(cfg), parent.run_id)
     registered = cfg.mlflow.registered_model or f"bertpipe-{name}"
-    summary: list[dict[str, Any]] = []
-    ok, outcome = False, "failed"
+    summary = RunSummary()
+    summary.workflow_run = dict(parent.coordinates) if parent.active else {}
+    outcome = "failed"
     try:
         for k, stage_name in enumerate(selected, 1):
             summary.append(_run_or_skip(cfg, plans[stage_name], parent, force, (k, len(selected)), verbose,
@@ -355,7 +368,7 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
                 if stage_name in later.inputs and not later.inputs[stage_name].explicit:
                     uri = stage_uri(cfg, stage_name)
                     later.inputs[stage_name] = StageInput(stage_name, uri, read_manifest(uri))
-        ok, outcome = True, "succeeded"
+        outcome = "succeeded"
     except KeyboardInterrupt:
         outcome = "killed"  # SIGINT / SIGTERM (jobs/interrupts.py): KILLED, not FAILED
         raise
@@ -381,12 +394,15 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
         run.log_metrics({"num_rows": current.get("num_rows", 0), "skipped": 1})
         run.log_dict(current, "_MANIFEST.json")
         run.end(True)
-        return {"stage": stage.name, "action": "skipped", "rows": current.get("num_rows")}
+        return {"stage": stage.name, "action": "skipped", "rows": current.get("num_rows"),
+                "unit": UNITS.get(stage.name, "rows")}
     console.stage(*position, stage.name, "running" if current is None and not gone else "rerunning (" + (
         "--force" if force else f"broken: {gone[0]}" if gone else "stale: config or inputs changed") + ")")
     monitor = run.system_metrics() if stage.training else None
     try:
-        manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code), keep_parts=not force)
+        with progress.doing(f"{stage.name}: running"):  # named on the console if the stage goes quiet
+            manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code),
+                                  keep_parts=not force)
     except BaseException as exc:
         ending.begin()
         if isinstance(exc, KeyboardInterrupt):  # a signal: the run is KILLED, and the CLI says in which stage
@@ -403,7 +419,8 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
         # Ray Train's fit takes SIGINT for its own graceful abort and leaves its handler behind (it then calls
         # sys.exit(0) on Ctrl-C): the next stage gets the run's handler back.
         reinstall_interrupts()
-    return {"stage": stage.name, "action": "ran", "rows": manifest["num_rows"], "seconds": manifest["seconds"]}
+    return {"stage": stage.name, "action": "ran", "rows": manifest["num_rows"], "seconds": manifest["seconds"],
+            "unit": UNITS.get(stage.name, "rows")}
 
 
 def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bool, registered: str,
@@ -421,7 +438,10 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     if kept:
         console.say(f"  {stage.name}: {kept} finished trial(s) kept by a failed run, reused where the config matches")
     try:
-        ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
+        address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
+        with progress.doing(f"{stage.name}: connecting to Ray at {address}" if address else
+                            f"{stage.name}: starting a local Ray ({cfg.ray.num_cpus} CPUs)"):
+            ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
         ctx = _context(cfg, stage, plan.inputs, run, registered)
         result = _load(stage.run)(ctx)
         explicit = [r for ids in plan.explicit_ids.values() for r in ids]
@@ -446,7 +466,8 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     run.log_metrics({k: v for k, v in final.items() if k not in logged}, result.final_step)
     run.log_dict(manifest, "_MANIFEST.json")
     run.end(True)
-    console.say(f"  {stage.name} done: {manifest['num_rows']:,} rows in {manifest['seconds']:.1f} s")
+    console.say(f"  {stage.name} done: {console.amount(manifest['num_rows'], UNITS.get(stage.name, 'rows'))} "
+                f"in {manifest['seconds']:.1f} s")
     return manifest
 
 

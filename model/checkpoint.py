@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -173,9 +174,11 @@ def load_hf_state_dict(model: nn.Module, hf: dict[str, Tensor], source: str) -> 
 # --------------------------------------------------------------------------------- files
 
 
-def save_pretrained(model: nn.Module, directory: str | os.PathLike, vocab_path: str | os.PathLike | None) -> None:
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, vocab_path: str | os.PathLike | None,
+                    label_names: Sequence[str] | None = None) -> None:
     """Write model.safetensors (HF names of the matching transformers class), config.json and, when
     `vocab_path` is given, a copy of it as vocab.txt (its line count must equal config.vocab_size).
+    A classifier's config names its labels (`label_names`, one per output; LABEL_<i> without them).
     Each file is written to a temporary name and renamed, so a crash leaves no half-written file."""
     model = _unwrap(model)
     config: BertConfig = model.config
@@ -192,8 +195,11 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, vocab_path: 
     hf_config = config.to_hf_dict()
     hf_config["architectures"] = [_ARCHITECTURES[type(model)]]
     if isinstance(model, (BertForSequenceClassification, BertForTokenClassification)):
-        hf_config["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
-        hf_config["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}
+        names = list(label_names) if label_names else [f"LABEL_{i}" for i in range(model.num_labels)]
+        if len(names) != model.num_labels:
+            raise ValueError(f"{len(names)} label names for a head of {model.num_labels} outputs: {names}")
+        hf_config["id2label"] = {str(i): name for i, name in enumerate(names)}
+        hf_config["label2id"] = {name: i for i, name in enumerate(names)}
         if isinstance(model, BertForSequenceClassification):
             hf_config["problem_type"] = ("regression" if model.num_labels == 1
                                          else "single_label_classification")

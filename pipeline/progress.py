@@ -1,26 +1,122 @@
-"""Live progress of long work, shown on the driver.
+"""Live progress of long work, shown on the driver, and the promise that the console is never silent for long.
 
-In a terminal: one tqdm line, refreshed in place. Otherwise (CI, `make run > log`, Ray job logs): a plain line at
-most every `PLAIN_EVERY_S` seconds and one when the work ends, so a log stays short and still says how far it got.
+In a terminal: one tqdm line, refreshed in place. Otherwise (CI, `make run > log`, Ray job logs): plain lines.
 Work that runs in Ray tasks or Train workers reports through a `Reporter`, which holds a Ray actor handle and so
 can be shipped to them: the driver polls the actor and shows one line however many workers report.
+
+**No silent minute.** While the CLI runs (`enable()`), what the run is doing now is a stack of activities: the
+stage (`doing("pretrain: running")`), a step inside it (`doing("registering the model in MLflow")`), a live
+`Progress`. A watchdog thread prints the innermost one's line whenever the console has said nothing for
+`QUIET_S` seconds (a Progress line carries its count, what the work reports it is doing and the ETA), so no step,
+however long, leaves the console silent for more than `QUIET_S` plus a poll; work that is quick prints nothing
+extra. Every line the project prints passes `printed()` (jobs/console.py does), which resets the silence.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-PLAIN_EVERY_S = 15.0
+log = logging.getLogger("bertpipe.progress")
+
+QUIET_S = 10.0  # the longest the console stays silent while work goes on (plus one poll)
 POLL_S = 0.5
 # Off for library use and tests that call stages directly; the CLI turns it on.
 ENABLED = {"on": False}
+_lock = threading.RLock()
+_last_line = [time.monotonic()]
+_activities: list[Any] = []  # innermost last: Activity or Progress, anything with heartbeat()
+_watchdog: list[threading.Thread] = []
 
 
 def enable(on: bool = True) -> None:
     ENABLED["on"] = on
+    if on:
+        printed()
+        with _lock:
+            if not _watchdog or not _watchdog[0].is_alive():
+                _watchdog[:] = [threading.Thread(target=_watch, name="bertpipe-heartbeat", daemon=True)]
+                _watchdog[0].start()
+
+
+def printed() -> None:
+    """A line reached the console now: the silence starts again."""
+    _last_line[0] = time.monotonic()
+
+
+def emit(text: str) -> None:
+    from bertpipe.pipeline.redact import mask
+
+    print(mask(text), flush=True)  # as every console line: no credential of a URI in a label reaches the terminal
+    printed()
+
+
+def seconds_quiet() -> float:
+    return time.monotonic() - _last_line[0]
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(POLL_S)
+        try:
+            heartbeat()
+        except Exception:  # noqa: BLE001 - the watchdog must never die of one bad line
+            pass
+
+
+def heartbeat() -> None:
+    """If the console has been quiet for QUIET_S: the innermost activity's line (a live bar refreshes instead)."""
+    if not ENABLED["on"]:
+        return
+    with _lock:
+        top = _activities[-1] if _activities else None
+    if top is None:
+        return
+    bar = getattr(top, "bar", None)
+    if bar is not None:  # in a terminal the bar itself shows that time passes
+        bar.set_postfix_str(top.describe_all(), refresh=True)
+        printed()
+        return
+    if seconds_quiet() >= QUIET_S:
+        emit(top.heartbeat())
+
+
+def _push(activity: Any) -> None:
+    with _lock:
+        _activities.append(activity)
+
+
+def _pop(activity: Any) -> None:
+    with _lock:
+        if activity in _activities:
+            _activities.remove(activity)
+
+
+class Activity:
+    """A step that may take a while, named for the console (see `doing`)."""
+
+    def __init__(self, label: str):
+        self.label, self.started = label, time.perf_counter()
+
+    def heartbeat(self) -> str:
+        return f"  {self.label} · {_duration(time.perf_counter() - self.started)}"
+
+
+@contextmanager
+def doing(label: str) -> Iterator[Activity]:
+    """What the run is doing during the block: named on the console if the block keeps it silent for QUIET_S."""
+    activity = Activity(label)
+    if not ENABLED["on"]:
+        yield activity
+        return
+    _push(activity)
+    try:
+        yield activity
+    finally:
+        _pop(activity)
 
 
 def _duration(seconds: float) -> str:
@@ -30,19 +126,28 @@ def _duration(seconds: float) -> str:
 
 class Progress:
     """Driver-side display of one piece of work: `set(count, **fields)` as it goes, `close()` at the end.
-    `describe(fields) -> str` turns the latest fields (loss, best score...) into the tail of the line."""
+    `describe(fields) -> str` turns the latest fields (loss, best score...) into the tail of the line.
+
+    Fields with a meaning of their own: `status` (printed at once when it changes: a one-off worth a line, such as
+    "compiling the model"), `doing` (what the work is busy with now, shown in the next line: "evaluating"),
+    `eta_s` + `eta_at` (the work's own estimate of the seconds left, made at wall time `eta_at`: used instead of
+    the count-based ETA). `tail_s`: seconds of driver work after the counted work ends, added to the ETA."""
 
     def __init__(self, desc: str, total: float | None, unit: str,
-                 describe: Callable[[dict[str, Any]], str] = lambda f: ""):
+                 describe: Callable[[dict[str, Any]], str] = lambda f: "", tail_s: float = 0.0):
         self.desc, self.total, self.unit, self.describe = desc, total, unit, describe
+        self.tail_s = tail_s
         self.count, self.fields = 0.0, {}
-        self.started = self.last_plain = time.perf_counter()
+        self.started = time.perf_counter()
         self.first: tuple[float, float] | None = None  # (time, count) of the first progress: rates exclude start-up
         self.bar = None
+        self.closed = False
         if ENABLED["on"] and sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True, file=sys.stderr)
+        if ENABLED["on"]:
+            _push(self)
 
     def set(self, count: float, **fields: Any) -> None:
         status = fields.pop("status", None)
@@ -54,50 +159,72 @@ class Progress:
             self.first = (time.perf_counter(), count)
         if self.bar is not None:
             self.bar.update(count - self.count)
-            self.bar.set_postfix_str(self.describe(self.fields), refresh=False)
-        self.count = count
-        if self.bar is None and ENABLED["on"] and time.perf_counter() - self.last_plain >= PLAIN_EVERY_S:
-            self._plain()
+            self.bar.set_postfix_str(self.describe_all(), refresh=False)
+        moved, self.count = count != self.count, count
+        if moved and self.fields.get("eta_s") is not None:
+            log.info("%s", self.line().strip())  # work that estimates its own ETA: every estimate in the log file
 
     def add(self, n: float = 1, **fields: Any) -> None:
         self.set(self.count + n, **fields)
 
-    def line(self, done: bool = False) -> str:
+    def eta(self) -> float | None:
+        """Seconds left: the work's own estimate when it reports one, else the count at the measured rate."""
+        if self.fields.get("eta_s") is not None:
+            left = float(self.fields["eta_s"]) - (time.time() - float(self.fields.get("eta_at", time.time())))
+            return max(left, 0.0) + self.tail_s
+        rate = self.rate()
+        if self.total and rate > 0:
+            return (self.total - self.count) / rate + self.tail_s
+        return None
+
+    def rate(self) -> float:
         now = time.perf_counter()
-        elapsed = now - self.started
         if self.first is not None and now - self.first[0] > 1.0 and self.count > self.first[1]:
-            rate = (self.count - self.first[1]) / (now - self.first[0])
-        else:
-            rate = self.count / elapsed if elapsed > 0 else 0.0
+            return (self.count - self.first[1]) / (now - self.first[0])
+        elapsed = now - self.started
+        return self.count / elapsed if elapsed > 0 else 0.0
+
+    def describe_all(self) -> str:
+        doing = self.fields.get("doing") or ""
+        return " · ".join(p for p in (doing, self.describe(self.fields)) if p)
+
+    def line(self, done: bool = False) -> str:
+        elapsed = time.perf_counter() - self.started
+        rate = self.rate()
         done_text = f"{self.count:,.0f}" + (f"/{self.total:,.0f} ({100 * self.count / self.total:.0f}%)"
                                              if self.total else "")
-        parts = [f"{self.desc}: {done_text} {self.unit}", self.describe(self.fields), f"{rate:,.1f} {self.unit}/s"]
+        parts = [f"{self.desc}: {done_text} {self.unit}", "" if done else self.fields.get("doing") or "",
+                 self.describe(self.fields), f"{rate:,.1f} {self.unit}/s" if self.count else ""]
+        eta = None if done else self.eta()
         if done:
             parts.append(f"done in {_duration(elapsed)}")
-        elif self.total and rate > 0:
-            parts.append(f"ETA {_duration((self.total - self.count) / rate)}")
+        elif eta is not None and self.count:
+            parts.append(f"ETA {_duration(eta)}")
+        else:
+            parts.append(f"{_duration(elapsed)} so far")
         return "  " + " · ".join(p for p in parts if p)
 
-    def _plain(self, done: bool = False) -> None:
-        self.last_plain = time.perf_counter()
-        state = (self.count, done)
-        if state == getattr(self, "_printed", None) or state == (0.0, False):
-            return  # nothing new since the last line (a long start-up, or the final update twice)
-        self._printed = state
-        print(self.line(done), flush=True)
+    def heartbeat(self) -> str:
+        return self.line()
 
     def _say(self, text: str) -> None:
         """A one-off line about what the work is doing now (compiling...), shown at once, not at the next tick."""
         if self.bar is not None:
             self.bar.write(f"  {self.desc}: {text}", file=sys.stderr)
+            printed()
         elif ENABLED["on"]:
-            print(f"  {self.desc}: {text}", flush=True)
+            emit(f"  {self.desc}: {text}")
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        _pop(self)
         if self.bar is not None:
             self.bar.close()
+            printed()
         elif ENABLED["on"]:
-            self._plain(done=True)
+            emit(self.line(done=True))
 
 
 class Reporter:
@@ -137,6 +264,11 @@ class _Board:
         self.entries.pop(key, None)
 
 
+def shared_board():
+    """The driver's progress board (a Ray actor): what remote work reports into, through Reporters."""
+    return _board()
+
+
 def _board():
     import ray
 
@@ -146,15 +278,17 @@ def _board():
 
 @contextmanager
 def remote_progress(desc: str, total: float | None, unit: str,
-                    describe: Callable[[dict[str, Any]], str] = lambda f: "") -> Iterator[Reporter]:
-    """A Reporter for Ray tasks / Train workers, shown on the driver while the block runs."""
+                    describe: Callable[[dict[str, Any]], str] = lambda f: "",
+                    tail_s: float = 0.0) -> Iterator[Reporter]:
+    """A Reporter for Ray tasks / Train workers, shown on the driver while the block runs (`tail_s`: see
+    Progress)."""
     if not ENABLED["on"]:
         yield Reporter(None)
         return
     import ray
 
     board, key = _board(), f"{desc}-{time.monotonic_ns()}"
-    shown = Progress(desc, total, unit, describe)
+    shown = Progress(desc, total, unit, describe, tail_s)
     stop = threading.Event()
 
     def poll() -> None:

@@ -41,20 +41,20 @@ def install() -> None:
 
 
 def _wrap_trials(folder: str) -> None:
-    """The Ray task of a downstream trial, resolved by name on the worker, raises once for the armed rate."""
-    from bertpipe.jobs.downstream import fanout
+    """The Ray task of a fine-tuning trial, resolved by name on the worker, raises once for the armed rate."""
+    from bertpipe.jobs.tuning import fanout
 
-    original = fanout._remote_body
+    original = fanout._trial_body
 
-    def _remote_body(body, model_files, data, lr, seed, recipe, coordinates):
+    def _trial_body(model_files, task, lr, *args):
         plan_file, marker = os.path.join(folder, TRIAL_PLAN), os.path.join(folder, FIRED)
         if os.path.exists(plan_file) and not os.path.exists(marker):
             if lr == json.loads(Path(plan_file).read_text())["learning_rate"]:
                 Path(marker).touch()
                 raise RuntimeError(f"injected fault in the trial at learning rate {lr:g}")
-        return original(body, model_files, data, lr, seed, recipe, coordinates)
+        return original(model_files, task, lr, *args)
 
-    fanout._remote_body = _remote_body
+    fanout._trial_body = _trial_body
 
 
 class Faults:

@@ -94,13 +94,16 @@ def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
                        tracking={"tracking_uri": uri, "run_id": parent, "experiment_id": exp})
     result = run_stage(ctx)
     out = tmp_path / "out"
-    assert sorted(result.outputs) == ["metrics.json", "predictions.json", "summary.md"]
+    assert sorted(o for o in result.outputs if not o.startswith("models/squad/")) == [
+        "metrics.json", "predictions.json", "summary.md"]
+    assert {"models/squad/config.json", "models/squad/model.safetensors", "models/squad/vocab.txt"} <= set(
+        result.outputs)  # the best trial's fine-tuned model
     predictions = json.loads((out / "predictions.json").read_text())
     assert sorted(predictions) == ["q20", "q21"]
     assert all(p in CONTEXTS[2] for p in predictions.values())  # exact slices of the original context
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["total"] == 2 and 0 <= metrics["exact_match"] <= metrics["f1"] <= 100
-    assert result.metrics["num_trials"] == 2 and result.metrics["num_trials_failed"] == 0
+    assert result.metrics["num_trials"] == 2 and result.metrics["best_epoch"] == 1
     trials = client.search_runs([exp], f"tags.mlflow.parentRunId = '{parent}'")
     assert sorted(r.info.run_name for r in trials) == ["squad-lr0.0005-seed1", "squad-lr0.001-seed1"]
     assert all(r.info.status == "FINISHED" and "f1" in r.data.metrics for r in trials)
@@ -111,7 +114,7 @@ def test_squad_stage_on_ray_with_mlflow(ray_local, tiny_bert, tmp_path):
 def test_a_failed_squad_trial_fails_the_stage_and_the_rerun_runs_only_it(faults, tiny_bert, tmp_path):
     """One of two trials raises (injected on its Ray worker): the stage fails naming it with its cause and commits
     nothing, the other trial is kept; the rerun runs the failed trial alone and writes the outputs."""
-    from bertpipe.jobs.downstream.failures import TrialsFailed
+    from bertpipe.jobs.tuning.failures import TrialsFailed
     from bertpipe.jobs.squad.stage import run_stage
 
     cfg, uri, client, exp = squad_setup(tmp_path)
@@ -137,8 +140,8 @@ def test_a_failed_squad_trial_fails_the_stage_and_the_rerun_runs_only_it(faults,
     result = run(second)
     ran = client.search_runs([exp], f"tags.mlflow.parentRunId = '{second}'")
     assert [r.info.run_name for r in ran] == ["squad-lr0.0005-seed1"]  # the kept trial did not run again
-    assert result.metrics["num_trials"] == 2 and result.metrics["num_trials_failed"] == 0
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.json", "summary.md"]
+    assert result.metrics["num_trials"] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "models", "predictions.json", "summary.md"]
     rows = [line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| 0.")]
     assert len(rows) == 2 and not any("failed" in row for row in rows)  # both trials in the grid, kept one included
 
@@ -160,6 +163,8 @@ def test_ner_stage_on_ray_writes_conll_predictions(ray_local, tiny_bert, tmp_pat
     assert [line.split()[:2] for line in lines if line] == [["EU", "I-ORG"], ["rejects", "O"], ["German", "I-MISC"],
                                                              ["Peter", "I-PER"], ["Blackburn", "I-PER"]]
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["gold"] == 3
+    exported = json.loads((tmp_path / "out" / "models" / "ner" / "config.json").read_text())
+    assert exported["id2label"]["0"] == "O" and exported["label2id"]["B-PER"] == 1  # the task's IOB2 labels
 
 
 def test_status_lists_opt_in_stages_only_once_they_ran(tmp_path, tiny_bert):

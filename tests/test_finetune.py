@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.jobs.finetune.report import submission_rows
-from bertpipe.jobs.finetune.stage import run_stage, trial_seed
-from bertpipe.jobs.finetune.config import FinetuneConfig
-from bertpipe.jobs.finetune.trial import TrialParams, collate, encode, load_tokenizer, run_trial
-from bertpipe.jobs.finetune.glue_sample import sample_files, write_sample
-from bertpipe.jobs.finetune.glue_tasks import TASKS, read_task
+from bertpipe.jobs.glue.config import FinetuneConfig
+from bertpipe.jobs.glue.report import submission_rows
+from bertpipe.jobs.glue.stage import run_stage
+from bertpipe.jobs.glue.trial import GlueTask, collate, encode
+from bertpipe.jobs.tuning.fanout import trial_seed
+from bertpipe.jobs.tuning.inputs import load_tokenizer
+from bertpipe.jobs.tuning.loop import make_optimizer, run_trial
+from bertpipe.jobs.glue.sample import sample_files, write_sample
+from bertpipe.jobs.glue.tasks import TASKS, read_task
 from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError
 
 
@@ -38,14 +41,19 @@ def tiny_model(tmp_path_factory) -> Path:
     return root / "export"
 
 
+def glue_trial(model_dir, data, learning_rate: float, seed: int, **recipe):
+    """One GLUE trial on the engine, with a FinetuneConfig of `recipe`."""
+    return run_trial(model_dir, GlueTask(data), learning_rate, seed, FinetuneConfig(**recipe))
+
+
 @pytest.fixture(scope="module")
 def sample_dir(tmp_path_factory) -> Path:
     return Path(write_sample(str(tmp_path_factory.mktemp("glue"))))
 
 
 def test_pairs_are_cls_a_sep_b_sep_truncated_and_padded_to_8(tiny_model):
-    tok = load_tokenizer(tiny_model, max_seq_length=11)
-    from bertpipe.jobs.finetune.glue_tasks import Examples
+    tok = load_tokenizer(tiny_model, 11)
+    from bertpipe.jobs.glue.tasks import Examples
 
     ex = Examples("x", ["the cat reads a book in the garden", "a dog"], ["the pilot", "the cat"])
     enc = encode(tok, ex)
@@ -61,34 +69,34 @@ def test_pairs_are_cls_a_sep_b_sep_truncated_and_padded_to_8(tiny_model):
 
 def test_trial_is_reproducible_and_learns(tiny_model, sample_dir):
     data = read_task(str(sample_dir), TASKS["SST-2"])
-    params = TrialParams(learning_rate=1e-2, seed=7, recipe=FinetuneConfig(batch_size=8, num_epochs=4, warmup_proportion=0.1))
+    recipe = FinetuneConfig(batch_size=8, num_epochs=4, warmup_proportion=0.1)
     epochs = []
-    a = run_trial(tiny_model, data, params, on_epoch=lambda e, row: epochs.append((e, row)))
-    b = run_trial(tiny_model, data, params)
-    assert a.history == b.history and a.test_predictions == b.test_predictions  # same seed, same numbers
-    assert [e for e, _ in epochs] == [1, 2, 3, 4] and a.num_steps == 4 * 12
+    a = run_trial(tiny_model, GlueTask(data), 1e-2, 7, recipe, on_epoch=lambda e, row: epochs.append((e, row)))
+    b = run_trial(tiny_model, GlueTask(data), 1e-2, 7, recipe)
+    assert a.history == b.history and a.outputs == b.outputs  # same seed, same numbers
+    assert [e for e, _ in epochs] == [1, 2, 3, 4] and a.num_steps == 4 * 12 and a.epoch == 4
     assert a.history[-1]["train_loss"] < a.history[0]["train_loss"]
-    assert a.dev_metrics["SST-2"]["accuracy"] > 0.7  # the sample's sentiment words are learnable
-    c = run_trial(tiny_model, data, TrialParams(learning_rate=2e-3, seed=8, recipe=FinetuneConfig(batch_size=8, num_epochs=1)))
+    assert a.metrics["SST-2.accuracy"] > 0.7  # the sample's sentiment words are learnable
+    c = glue_trial(tiny_model, data, 2e-3, 8, batch_size=8, num_epochs=1)
     assert c.history[0] != a.history[0]
-    index, preds = a.test_predictions["SST-2"]
+    index, preds = a.outputs["test_predictions"]["SST-2"]
     assert index == [str(i) for i in range(12)] and set(preds) <= {0, 1}
 
 
 def test_trial_regression_and_subsampling(tiny_model, sample_dir):
     data = read_task(str(sample_dir), TASKS["STS-B"])
-    r = run_trial(tiny_model, data, TrialParams(learning_rate=1e-3, seed=1, recipe=FinetuneConfig(
-        batch_size=16, num_epochs=1, max_train_examples=37)))
-    assert r.num_train_examples == 37 and r.num_steps == 3
-    assert set(r.dev_metrics["STS-B"]) == {"pearson", "spearman"}
-    assert all(isinstance(p, float) for p in r.test_predictions["STS-B"][1])
+    r = glue_trial(tiny_model, data, 1e-3, 1, batch_size=16, num_epochs=1, max_train_examples=37)
+    assert r.num_train == 37 and r.num_steps == 3
+    assert set(r.outputs["dev_metrics"]["STS-B"]) == {"pearson", "spearman"}
+    assert all(isinstance(p, float) for p in r.outputs["test_predictions"]["STS-B"][1])
 
 
 def test_submission_rows_and_seeds():
     assert submission_rows(TASKS["MNLI"], [0, 1, 2]) == ["contradiction", "entailment", "neutral"]
     assert submission_rows(TASKS["CoLA"], [1, 0]) == ["1", "0"]
     assert submission_rows(TASKS["STS-B"], [-0.3, 2.25, 7.0]) == ["0.000", "2.250", "5.000"]
-    assert trial_seed(1, "RTE", 1) == trial_seed(1, "RTE", 1) != trial_seed(1, "RTE", 2) != trial_seed(2, "RTE", 1)
+    assert (trial_seed(1, "finetune", 1, "RTE") == trial_seed(1, "finetune", 1, "RTE")
+            != trial_seed(1, "finetune", 2, "RTE") != trial_seed(2, "finetune", 1, "RTE"))
     with pytest.raises(ValueError, match="learning_rates"):
         FinetuneConfig(learning_rates=())
     with pytest.raises(ValueError, match="unknown GLUE task .SST2."):
@@ -107,7 +115,7 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
     the rerun runs only the broken task's trials and returns all four tasks."""
     import mlflow
 
-    from bertpipe.jobs.downstream.failures import TasksUnreadable
+    from bertpipe.jobs.tuning.failures import TasksUnreadable
 
     glue = Path(write_sample(str(tmp_path / "glue")))
     # A broken task: an unknown label on line 5 of RTE's dev set.
@@ -266,29 +274,28 @@ def test_warmup_factor_is_zero_at_the_first_step_like_transformers():
 
 def test_trial_first_update_leaves_the_weights_unchanged(tiny_model, sample_dir):
     """The trial's own schedule: learning rate 0 at step 0, the peak after the warmup steps."""
-    from bertpipe.jobs.finetune.trial import prepare
-
     data = read_task(str(sample_dir), TASKS["STS-B"])
-    p = TrialParams(learning_rate=1e-3, seed=3, recipe=FinetuneConfig(batch_size=4, num_epochs=2, warmup_proportion=0.25))
-    t = prepare(tiny_model, data, p)
-    warmup = int(t.total_steps * 0.25)
-    assert warmup >= 2 and t.scheduler.get_last_lr() == [0.0, 0.0]
-    before = [q.detach().clone() for q in t.model.parameters()]
-    b = collate(t.train_enc, range(4))
-    t.model(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"])[0].backward()
-    t.optimizer.step()
-    assert all(torch.equal(x, q) for x, q in zip(before, t.model.parameters()))
+    recipe = FinetuneConfig(batch_size=4, num_epochs=2, warmup_proportion=0.25)
+    model = GlueTask(data).build_model(str(tiny_model), None)
+    optimizer, scheduler, total = make_optimizer(model, recipe, 1e-3, len(data.train))
+    warmup = int(total * 0.25)
+    assert warmup >= 2 and scheduler.get_last_lr() == [0.0, 0.0]
+    before = [q.detach().clone() for q in model.parameters()]
+    b = collate(encode(load_tokenizer(tiny_model, 128), data.train), range(4))
+    model(**b)[0].backward()
+    optimizer.step()
+    assert all(torch.equal(x, q) for x, q in zip(before, model.parameters()))
     for _ in range(warmup):
-        t.scheduler.step()
-    assert t.scheduler.get_last_lr() == pytest.approx([1e-3, 1e-3])
+        scheduler.step()
+    assert scheduler.get_last_lr() == pytest.approx([1e-3, 1e-3])
 
 
 def test_eval_only_after_the_last_epoch_gives_the_same_score(tiny_model, sample_dir):
     """Skipping the per-epoch dev evaluations (as the Trainer does) changes no random stream: same final score."""
     data = read_task(str(sample_dir), TASKS["MRPC"], with_test=False)
-    runs = [run_trial(tiny_model, data, TrialParams(learning_rate=3e-3, seed=5, recipe=FinetuneConfig(
-        batch_size=8, num_epochs=3, eval_each_epoch=each))) for each in (True, False)]
-    assert runs[0].score == runs[1].score and runs[0].dev_metrics == runs[1].dev_metrics
+    runs = [glue_trial(tiny_model, data, 3e-3, 5, batch_size=8, num_epochs=3, eval_each_epoch=each)
+            for each in (True, False)]
+    assert runs[0].score == runs[1].score and runs[0].metrics == runs[1].metrics
     assert [("score" in row) for row in runs[1].history] == [False, False, True]
     assert [("score" in row) for row in runs[0].history] == [True, True, True]
     assert [row["train_loss"] for row in runs[0].history] == [row["train_loss"] for row in runs[1].history]
@@ -297,9 +304,9 @@ def test_eval_only_after_the_last_epoch_gives_the_same_score(tiny_model, sample_
 def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sample_dir):
     """An export whose config.json says dropout 0 (the `mini` preset pre-trains without it) fine-tunes without
     dropout unless finetune.dropout sets it: then both rates are that value and training forwards are noisy."""
-    from bertpipe.jobs.finetune.trial import prepare
-    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
     from bertpipe.jobs.squad.config import SquadConfig
+    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
+    from bertpipe.model.training import dropout_overrides
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(40)]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -309,13 +316,12 @@ def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sa
     data = read_task(str(sample_dir), TASKS["MRPC"], with_test=False)
 
     def noisy_in_training(dropout):
-        p = TrialParams(learning_rate=1e-3, seed=1, recipe=FinetuneConfig(dropout=dropout))
-        t = prepare(tmp_path / "export", data, p)
-        rates = {t.model.bert.config.hidden_dropout_prob, t.model.bert.config.attention_probs_dropout_prob,
-                 t.model.dropout.p}
-        b = collate(t.train_enc, range(8))
-        t.model.train()
-        a, c = (t.model(b["input_ids"], b["token_type_ids"], b["attention_mask"])[1] for _ in range(2))
+        model = GlueTask(data).build_model(str(tmp_path / "export"), dropout_overrides(dropout))
+        rates = {model.bert.config.hidden_dropout_prob, model.bert.config.attention_probs_dropout_prob,
+                 model.dropout.p}
+        b = collate(encode(load_tokenizer(tmp_path / "export", 128), data.train), range(8))
+        model.train()
+        a, c = (model(b["input_ids"], b["token_type_ids"], b["attention_mask"])[1] for _ in range(2))
         return rates, not torch.equal(a, c)
 
     assert noisy_in_training(None) == ({0.0}, False)

@@ -7,9 +7,9 @@ import pytest
 from scipy import stats
 from sklearn import metrics as skm
 
-from bertpipe.jobs.finetune.glue_metrics import (accuracy, bert_paper_average, compute_metrics, f1_binary, glue_score,
+from bertpipe.jobs.glue.metrics import (accuracy, bert_paper_average, compute_metrics, f1_binary, glue_score,
                                matthews_corrcoef, pearson, spearman, task_score)
-from bertpipe.jobs.finetune.glue_tasks import TASKS, read_task
+from bertpipe.jobs.glue.tasks import TASKS, read_task
 
 
 def _overlap(a: str, b: str) -> float:

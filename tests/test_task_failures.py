@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from bertpipe.jobs.cli import main
-from bertpipe.jobs.downstream import kept
-from bertpipe.jobs.finetune.glue_sample import write_sample
-from bertpipe.jobs.finetune.trial import TrialResult
+from bertpipe.jobs.tuning import kept
+from bertpipe.jobs.glue.sample import write_sample
+from bertpipe.jobs.tuning.loop import TrialResult
 from bertpipe.pipeline import outputs, parts
 from bertpipe.pipeline.outputs import ForeignFilesError
 from bertpipe.pipeline.stage import read_manifest
@@ -25,8 +25,8 @@ PART = "_trials/SST-2/lr=0.001/seed=1"
 
 
 def _result() -> TrialResult:
-    return TrialResult("SST-2", 1e-3, 7, {"SST-2": {"accuracy": 0.5}}, 0.5, [{"train_loss": 0.7}],
-                       {"SST-2": (["0", "1"], [1, 0])}, 16, 2, 0.1, 160.0)
+    return TrialResult(1e-3, 7, 0.5, {"SST-2.accuracy": 0.5}, 1, [{"train_loss": 0.7}],
+                       {"test_predictions": {"SST-2": (["0", "1"], [1, 0])}}, 16, 2, 0.1, 0.05, 160.0)
 
 
 def _kept_part(stage: Path) -> Path:
@@ -48,7 +48,7 @@ def test_kept_trials_survive_the_workdir_cleanup_and_nothing_else_does(tmp_path)
     record = json.loads((stage / "_RUN.json").read_text())
     assert record["files"] == ["smoke_glue/README.txt"]  # what the next run deletes; the kept trial is not in it
     assert kept.restore(str(stage), PART, "key-1", TrialResult) == TrialResult(
-        **{**_result().__dict__, "test_predictions": {"SST-2": [["0", "1"], [1, 0]]}})  # JSON: tuples as lists
+        **{**_result().__dict__, "outputs": {"test_predictions": {"SST-2": [["0", "1"], [1, 0]]}}})  # JSON: tuples as lists
 
     outputs.claim(str(stage), "finetune")  # the rerun
     assert sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()) == [

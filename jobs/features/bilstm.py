@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from bertpipe.jobs.ner.conll import to_iob2
-from bertpipe.jobs.ner.conlleval import score
+from bertpipe.jobs.tuning.conll import to_iob2
+from bertpipe.jobs.tuning.conlleval import score
 
 
 class BiLstmTagger(nn.Module):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bertpipe.pipeline.config import path_field
+from bertpipe.pipeline.config import at_least, one_of, path_field, sequence_length
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,12 +23,8 @@ class FeaturesConfig:
     def __post_init__(self) -> None:
         from bertpipe.jobs.features.extract import MODES
 
-        if self.mode not in MODES:
-            raise ValueError(f"features.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        for name in ("batch_size", "num_actors", "cpus_per_actor"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"features.{name} must be >= 1, got {getattr(self, name)}")
-        if not 16 <= self.max_seq_length <= 512:
-            raise ValueError(f"features.max_seq_length must be in [16, 512], got {self.max_seq_length}")
+        one_of("features", self, "mode", MODES)
+        at_least("features", self, 1, "batch_size", "num_actors", "cpus_per_actor")
+        sequence_length("features", self)
         if not self.entity_types or any(not t or "-" in t for t in self.entity_types):
             raise ValueError(f"features.entity_types must be non-empty names without '-', got {self.entity_types}")

@@ -7,15 +7,15 @@ pool loads the model once per actor and then streams batches of sentences throug
 """
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any
 
 import numpy as np
 import torch
 
-from bertpipe.jobs.downstream.training import load_tokenizer, pad_rows
-from bertpipe.jobs.ner.features import build_rows
+from bertpipe.jobs.tuning.inputs import load_tokenizer, write_model_files
+from bertpipe.jobs.tuning.loop import pad_rows
+from bertpipe.jobs.tuning.words import build_rows
 
 MODES = ("last_four_concat", "last", "sum_last_four")
 
@@ -67,10 +67,7 @@ class Extractor:
 
     def __init__(self, model_files: dict[str, bytes], mode: str, max_seq_length: int, threads: int = 1):
         torch.set_num_threads(threads)
-        self.dir = tempfile.mkdtemp(prefix="bertpipe-feat-")
-        for name, blob in model_files.items():
-            with open(os.path.join(self.dir, name), "wb") as f:
-                f.write(blob)
+        self.dir = write_model_files(model_files, tempfile.mkdtemp(prefix="bertpipe-feat-"))
         self.bert, self.tok = load_encoder(self.dir), load_tokenizer(self.dir)
         self.mode, self.max_seq_length = mode, max_seq_length
 

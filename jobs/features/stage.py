@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import time
 
-from bertpipe.jobs.downstream.inputs import check_init, describe, init_uri, model_files, require_file
+from bertpipe.jobs.tuning.inputs import check_init, describe, init_uri, read_model_files, require_file
 from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.features.extract import Extractor
-from bertpipe.jobs.ner.conll import read_conll
+from bertpipe.jobs.tuning.conll import read_conll
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.stage import StageContext, StageResult
 
@@ -33,10 +33,10 @@ def run_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
     cfg: FeaturesConfig = ctx.config["features"]
     sentences = read_conll(cfg.input_file, cfg.entity_types).sentences
-    init = init_uri(ctx, "features")
+    init = init_uri(ctx, cfg.init)
     rows = [{"sentence": i, "words": s.words, "tags": s.tags} for i, s in enumerate(sentences)]
     ds = ray.data.from_items(rows).map_batches(
-        Extractor, fn_constructor_kwargs={"model_files": model_files(init), "mode": cfg.mode,
+        Extractor, fn_constructor_kwargs={"model_files": read_model_files(init), "mode": cfg.mode,
                                           "max_seq_length": cfg.max_seq_length, "threads": cfg.cpus_per_actor},
         batch_size=cfg.batch_size, concurrency=cfg.num_actors, num_cpus=cfg.cpus_per_actor, batch_format="numpy")
     out = storage.join(ctx.output_uri, "features")

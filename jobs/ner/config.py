@@ -4,13 +4,16 @@ boundaries into several rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from bertpipe.jobs.downstream.recipe import Recipe
-from bertpipe.pipeline.config import path_field
+from bertpipe.jobs.tuning.recipe import Recipe
+from bertpipe.pipeline.config import one_of, path_field
 
 
 @dataclass(frozen=True, kw_only=True)
 class NerConfig(Recipe):
+    SECTION: ClassVar[str] = "ner"
+
     # CoNLL column files (token ... tag; blank line between sentences; -DOCSTART- lines between documents).
     train_file: str = path_field()
     eval_file: str = path_field()
@@ -20,9 +23,8 @@ class NerConfig(Recipe):
     num_epochs: int = 3
 
     def __post_init__(self) -> None:
-        self.check("ner")
-        if self.scheme not in ("auto", "iob1", "iob2"):
-            raise ValueError(f"ner.scheme must be auto, iob1 or iob2, got {self.scheme!r}")
+        super().__post_init__()
+        one_of("ner", self, "scheme", ("auto", "iob1", "iob2"))
         if not self.entity_types or any(not t or "-" in t for t in self.entity_types):
             raise ValueError(f"ner.entity_types must be non-empty names without '-', got {self.entity_types}")
 

@@ -1,11 +1,12 @@
-"""The `ner` stage: CoNLL-2003 NER fine-tuning fan-out on Ray (learning rates x seeds, as GLUE's), the best trial
-by entity F1 on the eval file, its predictions in CoNLL format (`word gold predicted`, IOB2 predictions: what
-conlleval reads) and conlleval's figures.
+"""The `ner` stage: CoNLL-2003 NER on the fine-tuning engine (learning rates x seeds on Ray, as GLUE's), the best
+trial by entity F1 on the eval file, its predictions in CoNLL format (`word gold predicted`, IOB2 predictions:
+what conlleval reads), conlleval's figures and its model (whose config names the IOB2 labels).
 
-Outputs: predictions.txt, metrics.json (precision / recall / f1 / per-type f1 in %, counts), summary.md.
+Outputs: predictions.txt, metrics.json (precision / recall / f1 / per-type f1 in %, counts), summary.md,
+models/ner/.
 
 Every trial of the grid must succeed: one that fails fails the stage, naming it, and the finished ones are kept
-for the rerun (jobs/downstream/fanout.sweep).
+for the rerun (jobs/tuning/fanout.py).
 """
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ import json
 import logging
 import time
 
-from bertpipe.jobs.downstream import fanout
-from bertpipe.jobs.downstream.inputs import check_init, describe, init_uri, model_files, require_file
 from bertpipe.jobs.ner.config import NerConfig
-from bertpipe.jobs.ner.conll import format_predictions, read_conll
-from bertpipe.jobs.ner.trial import NerData, NerResult, run_ner_trial
+from bertpipe.jobs.ner.trial import NerData, NerTask
 from bertpipe.jobs.tracking import RunLogger
+from bertpipe.jobs.tuning import fanout
+from bertpipe.jobs.tuning.conll import format_predictions, read_conll
+from bertpipe.jobs.tuning.inputs import check_init, describe, init_uri, read_model_files, require_file
 from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger("bertpipe.ner")
+COUNTS = ("correct", "guessed", "gold")
 
 
 def describe_raw_inputs(cfg: NerConfig) -> list[dict]:
@@ -48,27 +50,26 @@ def run_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
     cfg: NerConfig = ctx.config["ner"]
     data, train, evaluation = load_data(cfg)
-    init = init_uri(ctx, "ner")
+    init = init_uri(ctx, cfg.init)
     log.info("ner: %d train / %d eval sentences (%s / %s), init %s", len(data.train), len(data.eval), train.scheme,
              evaluation.scheme, init)
     parent = RunLogger(ctx.tracking)
-    trials, results = fanout.sweep("ner", run_ner_trial, ctx, cfg, model_files(init), data, describe_raw_inputs(cfg),
-                                   NerResult, parent)
-    trial, best = fanout.best_of(trials, results)
+    trials = fanout.sweep("ner", NerTask(data), ctx, cfg, read_model_files(init), describe_raw_inputs(cfg), parent)
+    best = fanout.best_of(trials)
     used = min(len(data.train), cfg.max_train_examples or len(data.train))
-    table = f"# CoNLL NER: {used} of {len(data.train)} train / {len(data.eval)} eval sentences; best {trial.key}\n\n" + \
-        fanout.grid_table(trials, results, ("precision", "recall", "f1"))
-    shown = {k: (v if k in ("correct", "guessed", "gold") else 100 * v) for k, v in best.metrics.items()}
-    files = {"predictions.txt": format_predictions(data.eval, best.predicted),
+    table = (f"# CoNLL NER: {used} of {len(data.train)} train / {len(data.eval)} eval sentences; best {best.key}, "
+             f"epoch {best.result.epoch}\n\n" + fanout.grid_table(trials, ("precision", "recall", "f1")))
+    shown = {k: (v if k in COUNTS else 100 * v) for k, v in best.result.metrics.items()}
+    files = {"predictions.txt": format_predictions(data.eval, best.result.outputs["predicted"]),
              "metrics.json": json.dumps(shown, indent=1, sort_keys=True), "summary.md": table}
     for name, text in files.items():
         storage.write_bytes(storage.join(ctx.output_uri, name), text.encode())
+    models = fanout.keep_best_model(ctx.output_uri, best, "ner")
     parts.drop_all(ctx.output_uri)  # every trial is in the outputs now: a committed folder holds no part
-    metrics = {f"best.{k}": v for k, v in best.metrics.items()}
-    metrics.update({"best_lr": trial.learning_rate, "num_trials": float(len(trials)),
-                    "num_trials_failed": float(sum(isinstance(r, BaseException) for r in results)),
-                    "seconds": time.perf_counter() - started})
+    metrics = {f"best.{k}": v for k, v in best.result.metrics.items()}
+    metrics.update({"best_lr": best.learning_rate, "best_epoch": float(best.result.epoch),
+                    "num_trials": float(len(trials)), "seconds": time.perf_counter() - started})
     parent.log_metrics(metrics)
     parent.log_bytes(table.encode(), "summary.md", "ner")
-    return StageResult(num_rows=len(data.eval), metrics=metrics, outputs=list(files),
-                       extra={"init": init, "best_trial": trial.key, "schemes": [train.scheme, evaluation.scheme]})
+    return StageResult(num_rows=len(data.eval), metrics=metrics, outputs=[*files, *models],
+                       extra={"init": init, "best_trial": best.key, "schemes": [train.scheme, evaluation.scheme]})

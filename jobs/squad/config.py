@@ -4,14 +4,17 @@ n-best 20, max answer 30 tokens as in google-research/bert run_squad)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from bertpipe.jobs.downstream.recipe import Recipe
+from bertpipe.jobs.tuning.recipe import Recipe
 from bertpipe.jobs.squad.data import article_range
-from bertpipe.pipeline.config import path_field
+from bertpipe.pipeline.config import at_least, one_of, path_field
 
 
 @dataclass(frozen=True, kw_only=True)
 class SquadConfig(Recipe):
+    SECTION: ClassVar[str] = "squad"
+
     # Any SQuAD-format JSON (v1.1 or v2.0), local or a URI. A user with the full train set points at it.
     train_file: str = path_field()
     eval_file: str = path_field()
@@ -26,14 +29,14 @@ class SquadConfig(Recipe):
     max_query_length: int = 64
     n_best_size: int = 20
     max_answer_length: int = 30
+    # One n-best evaluation of the eval set after the last epoch (each costs a pass over every window); set
+    # true (with select: best) to pick the epoch on it.
+    eval_each_epoch: bool = False
 
     def __post_init__(self) -> None:
-        self.check("squad")
-        if self.version not in ("auto", "1.1", "2.0"):
-            raise ValueError(f"squad.version must be auto, 1.1 or 2.0, got {self.version!r}")
-        for name in ("doc_stride", "max_query_length", "n_best_size", "max_answer_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"squad.{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
+        one_of("squad", self, "version", ("auto", "1.1", "2.0"))
+        at_least("squad", self, 1, "doc_stride", "max_query_length", "n_best_size", "max_answer_length")
         if self.max_query_length + 3 >= self.max_seq_length:
             raise ValueError(f"squad.max_query_length {self.max_query_length} leaves no room for the context in "
                              f"max_seq_length {self.max_seq_length}")

@@ -11,7 +11,7 @@ conlleval also counts -DOCSTART- lines as O tokens: that changes its token accur
 """
 from __future__ import annotations
 
-from bertpipe.jobs.ner.conll import split_tag
+from bertpipe.jobs.tuning.conll import split_tag
 
 
 def _ends(prev: tuple[str, str], cur: tuple[str, str]) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bertpipe.jobs.finetune.glue_tasks import GLUE_TASKS
+from bertpipe.jobs.glue.tasks import GLUE_TASKS
 
 
 def accuracy(preds, labels) -> float:

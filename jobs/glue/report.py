@@ -8,10 +8,12 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from bertpipe.jobs.finetune.glue_metrics import bert_paper_average, glue_score
-from bertpipe.jobs.finetune.glue_tasks import TaskSpec
-from bertpipe.jobs.finetune.trial import TrialResult
+from bertpipe.jobs.glue.metrics import bert_paper_average, glue_score
+from bertpipe.jobs.glue.tasks import TaskSpec
 from bertpipe.pipeline import storage
+
+
+SMOKE_LABEL = "smoke sample, NOT GLUE"
 
 
 @dataclass
@@ -19,14 +21,15 @@ class TaskOutcome:
     spec: TaskSpec
     status: str  # ok | failed | absent
     error: str = ""
-    trials: list[TrialResult] = field(default_factory=list)
+    trials: list[Any] = field(default_factory=list)  # its finished trials (jobs/tuning/fanout.Trial)
     trial_errors: list[str] = field(default_factory=list)
     num_train: int = 0
     run: Any = None  # the task's MLflow run (a RunLogger), once it has one
 
     @property
-    def best(self) -> TrialResult | None:
-        return max(self.trials, key=lambda r: r.score) if self.trials else None  # max keeps the first on ties
+    def best(self):
+        """The trial with the best dev score (the first on ties), or None."""
+        return max(self.trials, key=lambda t: t.result.score) if self.trials else None
 
     @property
     def errors(self) -> str:
@@ -46,7 +49,7 @@ def write_submission(out_uri: str, outcomes: list[TaskOutcome]) -> list[str]:
     for o in outcomes:
         if o.status != "ok" or o.best is None:
             continue
-        for name, (index, preds) in o.best.test_predictions.items():
+        for name, (index, preds) in o.best.result.outputs["test_predictions"].items():
             lines = ["index\tprediction"] + [f"{i}\t{p}" for i, p in zip(index, submission_rows(o.spec, preds))]
             files[f"{name}.tsv"] = ("\n".join(lines) + "\n").encode()
     buf = io.BytesIO()
@@ -59,42 +62,49 @@ def write_submission(out_uri: str, outcomes: list[TaskOutcome]) -> list[str]:
     return sorted(files)
 
 
+def _dev(o: TaskOutcome) -> dict[str, dict[str, float]]:
+    return o.best.result.outputs["dev_metrics"]
+
+
 def _fmt(o: TaskOutcome) -> str:
-    best = o.best
-    return " / ".join(f"{100 * v:.1f}" for ms in best.dev_metrics.values() for v in ms.values()) if best else ""
+    return " / ".join(f"{100 * v:.1f}" for ms in _dev(o).values() for v in ms.values()) if o.best else ""
 
 
 def _row(o: TaskOutcome) -> dict[str, str]:
-    best = o.best
+    best = o.best.result if o.best else None
     return {
         "task": o.spec.name, "status": o.status,
         "metrics": "/".join(f"{s}.{m}" if len(o.spec.dev_files) > 1 else m
                             for s, _ in o.spec.dev_files for m in o.spec.metrics),
         "dev": _fmt(o), "score": f"{100 * best.score:.2f}" if best else "",
-        "best_lr": f"{best.learning_rate:g}" if best else "", "trials_ok": f"{len(o.trials)}",
+        "best_lr": f"{best.learning_rate:g}" if best else "", "epoch": f"{best.epoch}" if best else "",
+        "trials_ok": f"{len(o.trials)}",
         "trials_failed": f"{len(o.trial_errors)}", "num_train": f"{o.num_train}",
-        "test_sets": ",".join(best.test_predictions) if best else "",
+        "test_sets": ",".join(best.outputs["test_predictions"]) if best else "",
         "error": o.errors[:300].replace("\n", " "),
     }
 
 
 def scores(outcomes: list[TaskOutcome]) -> dict[str, float]:
     """Best dev score per task in percent, plus the GLUE score and the BERT paper average (with completeness)."""
-    task_scores = {o.spec.name: o.best.score for o in outcomes if o.best}
+    task_scores = {o.spec.name: o.best.result.score for o in outcomes if o.best}
     glue, complete = glue_score(task_scores)
-    paper, _ = bert_paper_average({o.spec.name: o.best.dev_metrics for o in outcomes if o.best})
+    paper, _ = bert_paper_average({o.spec.name: _dev(o) for o in outcomes if o.best})
     return {**{f"dev.{k}": 100 * v for k, v in task_scores.items()}, "glue_score": glue,
             "glue_score_complete": float(complete), "bert_paper_average": paper}
 
 
-def summary_table(outcomes: list[TaskOutcome]) -> tuple[list[dict[str, Any]], str, str]:
-    """(rows, Markdown, CSV) of the sweep: one row per task plus the two averages."""
+def summary_table(outcomes: list[TaskOutcome], smoke: bool = False) -> tuple[list[dict[str, Any]], str, str]:
+    """(rows, Markdown, CSV) of the sweep: one row per task plus the two averages. `smoke`: the scores come from
+    the project's built-in sample, and the table says so first."""
     rows = [_row(o) for o in outcomes]
-    task_scores = {o.spec.name: o.best.score for o in outcomes if o.best}
+    task_scores = {o.spec.name: o.best.result.score for o in outcomes if o.best}
     glue, complete = glue_score(task_scores)
-    paper, paper_complete = bert_paper_average({o.spec.name: o.best.dev_metrics for o in outcomes if o.best})
+    paper, paper_complete = bert_paper_average({o.spec.name: _dev(o) for o in outcomes if o.best})
     cols = list(rows[0]) if rows else ["task"]
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md = [f"**{SMOKE_LABEL}**: these scores come from the project's built-in smoke sample, not from GLUE; set "
+          "finetune.glue_data_dir to the GLUE folders for real scores.", ""] if smoke else []
+    md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
     md.append("")
     md.append(f"GLUE score (leaderboard way: mean of 9 task scores, two-metric tasks averaged, MNLI = mean of m/mm): "

@@ -1,1 +1,0 @@
-"""What the SQuAD and NER jobs share: tokenizer, optimizer recipe, the learning-rate x seed fan-out."""

@@ -1,1 +1,0 @@
-"""GLUE fine-tuning: one trial per (task x learning rate x seed), fanned out as Ray tasks."""

@@ -1,0 +1,105 @@
+"""What a fine-tuning stage starts from, checked before anything runs and read once: the BERT folder (its
+files shipped to the trials through Ray's object store), its WordPiece tokenizer, and the task's data files."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from bertpipe.pipeline import storage
+from bertpipe.pipeline.identity import describe_file
+from bertpipe.pipeline.stage import StageContext, StageInputError
+
+MODEL_FILES = ("config.json", "vocab.txt")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+BERT_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def require_file(uri: str, key: str, what: str) -> None:
+    """StageInputError naming the config key and the path when the file is unset or absent."""
+    if not uri:
+        raise StageInputError(f"{key} is not set: name a {what} (--set {key}=PATH)")
+    if not storage.is_file(uri):
+        raise StageInputError(f"{key} {uri}: {what} does not exist")
+
+
+def init_uri(ctx: StageContext, init: str = "") -> str:
+    """The BERT to start from: the stage's explicit pretrain input (the workflow makes `<section>.init` one), else
+    `init` (a stage called directly), else the pre-training export."""
+    pretrain = ctx.input("pretrain")
+    return pretrain.uri if pretrain.explicit else (init or ctx.paths.pretrain_export)
+
+
+def check_init(ctx: StageContext, section: str) -> None:
+    """An explicit init must be a Hugging Face-layout BERT folder (checked before anything runs)."""
+    if ctx.input("pretrain").explicit:
+        check_checkpoint(ctx.input("pretrain").uri, f"{section}.init")
+
+
+def check_checkpoint(uri: str, key: str) -> None:
+    """StageInputError naming `key` unless `uri` is a Hugging Face-layout BERT folder: config.json of a BERT,
+    vocab.txt, weights."""
+    if not storage.is_file(storage.join(uri, "config.json")):
+        what = "does not exist" if not storage.exists(uri) else "has no config.json"
+        raise StageInputError(f"{key} {uri} {what}: expected a BERT checkpoint folder "
+                              "(config.json, vocab.txt, model.safetensors or pytorch_model.bin)")
+    try:
+        config = json.loads(storage.read_bytes(storage.join(uri, "config.json")))
+    except ValueError as exc:
+        raise StageInputError(f"{key} {uri}/config.json is not JSON: {exc}") from None
+    lacking = [k for k in BERT_CONFIG_KEYS if k not in config]
+    if lacking or config.get("model_type", "bert") != "bert":
+        raise StageInputError(f"{key} {uri} is not a BERT checkpoint (model_type "
+                              f"{config.get('model_type')!r}, config.json lacks {lacking})")
+    if not storage.is_file(storage.join(uri, "vocab.txt")):
+        raise StageInputError(f"{key} {uri} has no vocab.txt")
+    if not any(storage.is_file(storage.join(uri, w)) for w in WEIGHT_FILES):
+        raise StageInputError(f"{key} {uri} has no weights ({' or '.join(WEIGHT_FILES)})")
+
+
+def read_model_files(uri: str) -> dict[str, bytes]:
+    """config.json, vocab.txt and the weights of a HF-layout folder, as bytes (shipped to trials by Ray)."""
+    files = {}
+    for name in MODEL_FILES:
+        try:
+            files[name] = storage.read_bytes(storage.join(uri, name))
+        except Exception as e:  # noqa: BLE001 - not-found types differ per store
+            raise StageInputError(f"{storage.join(uri, name)}: cannot read the initial model "
+                                  f"({type(e).__name__}: {e})") from None
+    for name in WEIGHT_FILES:
+        if storage.is_file(storage.join(uri, name)):
+            files[name] = storage.read_bytes(storage.join(uri, name))
+            return files
+    raise StageInputError(f"{uri}: no {' or '.join(WEIGHT_FILES)} in the initial model folder")
+
+
+def write_model_files(files: dict[str, bytes], directory: str) -> str:
+    """The model files as a local folder (where a trial or an actor loads them from); returns it."""
+    for name, blob in files.items():
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(blob)
+    return directory
+
+
+def describe(uris: list[str], what: str) -> list[dict[str, Any]]:
+    """Size + checksum of each distinct file (they enter the stage's fingerprint and manifest)."""
+    return [describe_file(u, what) for u in dict.fromkeys(u for u in uris if u) if storage.is_file(u)]
+
+
+def load_tokenizer(model_dir: str | Path, truncate_at: int | None = None):
+    """The fast WordPiece tokenizer of a model folder (vocab.txt; lowercasing from config.json, default True),
+    without padding; truncated longest-first at `truncate_at` pieces, or not at all (tasks that cut windows
+    themselves need every offset)."""
+    from tokenizers import BertWordPieceTokenizer
+
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True)) if config.is_file() else True
+    tok = BertWordPieceTokenizer(str(model_dir / "vocab.txt"), lowercase=lowercase)
+    if truncate_at:
+        tok.enable_truncation(max_length=truncate_at, strategy="longest_first")
+    else:
+        tok.no_truncation()
+    tok.no_padding()
+    return tok
