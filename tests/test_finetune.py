@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 import zipfile
 from pathlib import Path
@@ -179,12 +180,24 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
 
 
 @pytest.mark.integration
-def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path):
+def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path, capsys):
+    from bertpipe.pipeline import progress
+
     cfg = FinetuneConfig(init=str(tiny_model), tasks=("WNLI", "CoLA"), learning_rates=(1e-3,), num_epochs=1,
                          max_concurrent_trials=1)
-    result = run_stage(_ctx(tmp_path / "out", cfg, {}))  # no tracking: MLflow skipped
+    progress.enable(True)  # as the CLI does: the trials' steps on one driver line
+    try:
+        result = run_stage(_ctx(tmp_path / "out", cfg, {}))  # no tracking: MLflow skipped
+    finally:
+        progress.enable(False)
+    shown = capsys.readouterr().out
+    assert re.search(r"finetune: (\d+)/\1 \(100%\) steps · trials 2/2 · best \d+\.\d\d · .*done in", shown), shown
     assert (tmp_path / "out" / "smoke_glue" / "README.txt").read_text().startswith("SMOKE SAMPLE - NOT GLUE")
     assert result.extra["submission"] == ["CoLA.tsv", "WNLI.tsv"] and result.num_rows == 2
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert summary.startswith("**smoke sample, NOT GLUE**") and result.extra["smoke_sample"] is True
+    exported = json.loads((tmp_path / "out" / "models" / "CoLA" / "config.json").read_text())
+    assert exported["id2label"] == {"0": "0", "1": "1"}  # CoLA's own label strings
     # Every task bad (a folder named but absent, an empty file) → the stage fails, naming them.
     bad = tmp_path / "bad"
     (bad / "CoLA").mkdir(parents=True)

@@ -68,7 +68,8 @@ def test_mnli_qnli_qqp_rte_official_layouts(tmp_path):
                                             ["0", "Who?", "Bob did.", "entailment"],
                                             ["1", "When?", "Blue sky.", "not_entailment"],
                                             ["2", "Why?", "Because.", "entailment"]],
-                              "dev.tsv": [["index", "question", "sentence", "label"], ["0", "How?", "So.", "entailment"]]})
+                              "dev.tsv": [["index", "question", "sentence", "label"],
+                                          ["0", "How?", "So.", "entailment"]]})
     qnli = read_task(str(tmp_path), TASKS["QNLI"])
     assert qnli.train.labels.tolist() == [0, 1, 0] and qnli.test == {}  # no test.tsv: allowed
 

@@ -48,7 +48,8 @@ def test_kept_trials_survive_the_workdir_cleanup_and_nothing_else_does(tmp_path)
     record = json.loads((stage / "_RUN.json").read_text())
     assert record["files"] == ["smoke_glue/README.txt"]  # what the next run deletes; the kept trial is not in it
     assert kept.restore(str(stage), PART, "key-1", TrialResult) == TrialResult(
-        **{**_result().__dict__, "outputs": {"test_predictions": {"SST-2": [["0", "1"], [1, 0]]}}})  # JSON: tuples as lists
+        **{**_result().__dict__,
+           "outputs": {"test_predictions": {"SST-2": [["0", "1"], [1, 0]]}}})  # JSON: tuples as lists
 
     outputs.claim(str(stage), "finetune")  # the rerun
     assert sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()) == [

@@ -83,7 +83,8 @@ def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, 
     outcome = TaskOutcome(spec, "ok")
     if not task_present(glue_dir, spec):
         if cfg.tasks:  # named explicitly: its absence is an error
-            outcome.status, outcome.error = "failed", f"{storage.join(glue_dir, name)}: task folder or train.tsv missing"
+            outcome.status = "failed"
+            outcome.error = f"{storage.join(glue_dir, name)}: task folder or train.tsv missing"
         else:
             outcome.status = "absent"
         return outcome, None, []

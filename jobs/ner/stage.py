@@ -19,7 +19,7 @@ from bertpipe.jobs.ner.trial import NerData, NerTask
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.conll import format_predictions, read_conll
-from bertpipe.jobs.tuning.inputs import check_init, describe, init_uri, read_model_files, require_file
+from bertpipe.jobs.tuning.inputs import check_train_eval, describe, init_uri, read_model_files
 from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext, StageResult
 
@@ -39,11 +39,8 @@ def load_data(cfg: NerConfig):
 
 
 def preflight(ctx: StageContext) -> None:
-    cfg: NerConfig = ctx.config["ner"]
-    require_file(cfg.train_file, "ner.train_file", "CoNLL training file")
-    require_file(cfg.eval_file, "ner.eval_file", "CoNLL evaluation file")
-    check_init(ctx, "ner")
-    load_data(cfg)
+    check_train_eval(ctx, "ner", "CoNLL")
+    load_data(ctx.config["ner"])
 
 
 def run_stage(ctx: StageContext) -> StageResult:
@@ -66,10 +63,6 @@ def run_stage(ctx: StageContext) -> StageResult:
         storage.write_bytes(storage.join(ctx.output_uri, name), text.encode())
     models = fanout.keep_best_model(ctx.output_uri, best, "ner")
     parts.drop_all(ctx.output_uri)  # every trial is in the outputs now: a committed folder holds no part
-    metrics = {f"best.{k}": v for k, v in best.result.metrics.items()}
-    metrics.update({"best_lr": best.learning_rate, "best_epoch": float(best.result.epoch),
-                    "num_trials": float(len(trials)), "seconds": time.perf_counter() - started})
-    parent.log_metrics(metrics)
-    parent.log_bytes(table.encode(), "summary.md", "ner")
+    metrics = fanout.log_best("ner", parent, trials, best, table, started)
     return StageResult(num_rows=len(data.eval), metrics=metrics, outputs=[*files, *models],
                        extra={"init": init, "best_trial": best.key, "schemes": [train.scheme, evaluation.scheme]})

@@ -20,7 +20,7 @@ from bertpipe.jobs.squad.data import read_squad
 from bertpipe.jobs.squad.trial import SquadData, SquadTask
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
-from bertpipe.jobs.tuning.inputs import check_init, describe, init_uri, read_model_files, require_file
+from bertpipe.jobs.tuning.inputs import check_train_eval, describe, init_uri, read_model_files
 from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
@@ -49,11 +49,8 @@ def load_data(cfg: SquadConfig) -> SquadData:
 
 
 def preflight(ctx: StageContext) -> None:
-    cfg: SquadConfig = ctx.config["squad"]
-    require_file(cfg.train_file, "squad.train_file", "SQuAD training file")
-    require_file(cfg.eval_file, "squad.eval_file", "SQuAD evaluation file")
-    check_init(ctx, "squad")
-    load_data(cfg)
+    check_train_eval(ctx, "squad", "SQuAD")
+    load_data(ctx.config["squad"])
 
 
 def write_outputs(uri: str, best, table: str, version_2: bool) -> list[str]:
@@ -87,10 +84,6 @@ def run_stage(ctx: StageContext) -> StageResult:
     outputs = write_outputs(ctx.output_uri, best.result, table, data.version_2)
     outputs += fanout.keep_best_model(ctx.output_uri, best, "squad")
     parts.drop_all(ctx.output_uri)  # every trial is in the outputs now: a committed folder holds no part
-    metrics = {f"best.{k}": v for k, v in best.result.metrics.items()}
-    metrics.update({"best_lr": best.learning_rate, "best_epoch": float(best.result.epoch),
-                    "num_trials": float(len(trials)), "seconds": time.perf_counter() - started})
-    parent.log_metrics(metrics)
-    parent.log_bytes(table.encode(), "summary.md", "squad")
+    metrics = fanout.log_best("squad", parent, trials, best, table, started)
     return StageResult(num_rows=len(data.eval), metrics=metrics, outputs=outputs,
                        extra={"init": init, "best_trial": best.key, "version": "2.0" if data.version_2 else "1.1"})

@@ -167,6 +167,19 @@ def keep_best_model(stage_uri: str, trial: Trial, name: str) -> list[str]:
     return [f"models/{name}/{rel}" for rel, _ in storage.list_files(target)]
 
 
+def log_best(stage: str, parent: RunLogger, trials: list[Trial], best: Trial, table: str, started: float) -> dict:
+    """The stage run's figures of a one-task sweep (the best trial's metrics, learning rate and epoch) and its
+    grid table, logged to `parent`; returns the figures."""
+    import time
+
+    metrics = {f"best.{k}": v for k, v in best.result.metrics.items()}
+    metrics.update({"best_lr": best.learning_rate, "best_epoch": float(best.result.epoch),
+                    "num_trials": float(len(trials)), "seconds": time.perf_counter() - started})
+    parent.log_metrics(metrics)
+    parent.log_bytes(table.encode(), "summary.md", stage)
+    return metrics
+
+
 def grid_table(trials: list[Trial], metric_names: tuple[str, ...]) -> str:
     """Markdown: one row per trial (learning rate, seed, selected epoch, metrics in %, train seconds)."""
     lines = ["| learning rate | seed | epoch | " + " | ".join(metric_names) + " | train s |",

@@ -24,6 +24,14 @@ def require_file(uri: str, key: str, what: str) -> None:
         raise StageInputError(f"{key} {uri}: {what} does not exist")
 
 
+def check_train_eval(ctx: StageContext, section: str, what: str) -> None:
+    """A one-task stage's train_file and eval_file exist, and an explicit init is a BERT folder."""
+    cfg = ctx.config[section]
+    require_file(cfg.train_file, f"{section}.train_file", f"{what} training file")
+    require_file(cfg.eval_file, f"{section}.eval_file", f"{what} evaluation file")
+    check_init(ctx, section)
+
+
 def init_uri(ctx: StageContext, init: str = "") -> str:
     """The BERT to start from: the stage's explicit pretrain input (the workflow makes `<section>.init` one), else
     `init` (a stage called directly), else the pre-training export."""

@@ -122,20 +122,20 @@ def autocast(recipe):
 
 class StepReport:
     """Step progress of one trial, sent at most every REPORT_S seconds (and at each epoch's end) to `report`
-    (step, total, epoch, loss); the loss is read from the device only then."""
+    (step, total, epoch, loss, lr: the learning rate of that step); the loss is read from the device only then."""
 
     def __init__(self, report: Callable[..., None] | None, total: int, epochs: int):
         self.report, self.total, self.epochs, self.step = report, total, epochs, 0
         self.last = time.perf_counter()
 
-    def tick(self, epoch: int, loss_sum: torch.Tensor, count: int, force: bool = False) -> None:
+    def tick(self, epoch: int, loss_sum: torch.Tensor, count: int, lr: float, force: bool = False) -> None:
         self.step += 0 if force else 1
         now = time.perf_counter()
         if self.report is None or not (force or now - self.last >= REPORT_S):
             return
         self.last = now
         self.report(self.step, total=self.total, epoch=f"{epoch}/{self.epochs}",
-                    loss=float(loss_sum.item()) / max(count, 1))
+                    loss=float(loss_sum.item()) / max(count, 1), lr=lr)
 
 
 def train_epoch(model: torch.nn.Module, task: TrialTask, rows: Sized, opt, sched, rng: np.random.Generator,
@@ -151,12 +151,13 @@ def train_epoch(model: torch.nn.Module, task: TrialTask, rows: Sized, opt, sched
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
+        lr = opt.param_groups[0]["lr"]
         opt.step()
         sched.step()
         loss_sum += loss.detach()
         count += 1
-        progress.tick(epoch, loss_sum, count)
-    progress.tick(epoch, loss_sum, count, force=True)
+        progress.tick(epoch, loss_sum, count, lr)
+    progress.tick(epoch, loss_sum, count, lr, force=True)
     return float(loss_sum.item()) / max(count, 1)
 
 

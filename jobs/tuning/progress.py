@@ -81,7 +81,8 @@ class TrialsProgress:
         parts = [f"trials {len(self.finished)}/{len(self.trials)}"]
         count, fields = self.state.get(self.last_key, (0.0, {}))
         if self.last_key and self.last_key not in self.finished and fields:
-            parts.append(f"{self.last_key} epoch {fields.get('epoch', '?')} loss {fields.get('loss', float('nan')):.4f}")
+            loss = fields.get("loss", float("nan"))
+            parts.append(f"{self.last_key} epoch {fields.get('epoch', '?')} loss {loss:.4f}")
         if self.best > float("-inf"):
             parts.append(f"best {100 * self.best:.2f}")
         return " · ".join(parts)
