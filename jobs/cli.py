@@ -5,6 +5,8 @@ import argparse
 import json
 import logging
 import os
+import re
+import select
 import shlex
 import sys
 import time
@@ -12,14 +14,35 @@ from pathlib import Path
 
 from bertpipe.jobs import causes, ending, interrupts
 from bertpipe.jobs.configtools import ConfigError
-from bertpipe.pipeline import redact
+from bertpipe.pipeline import redact, storage
 from bertpipe.pipeline.paths import WorkdirPaths
 from bertpipe.pipeline.stage import StageInputError
 from bertpipe.pipeline.workdir_lock import WorkdirBusy
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bertpipe")
+    except PackageNotFoundError:  # the code run from a checkout that was never installed
+        return "(not installed)"
+
+
+def _stages_help() -> str:
+    """The stages `--only` / `--from` take, from the workflow's own list (opt-in ones named as such)."""
+    from bertpipe.jobs.workflow import STAGES
+
+    default = [s.name for s in STAGES if not s.opt_in]
+    opt_in = [s.name for s in STAGES if s.opt_in]
+    return ", ".join(default) + (f"; opt-in: {', '.join(opt_in)}" if opt_in else "")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="tiny", help="preset name or YAML file (default: tiny)")
+    from bertpipe.jobs.config import preset_names
+
+    p.add_argument("--config", default="tiny", metavar="PRESET|FILE",
+                   help=f"a preset ({', '.join(preset_names())}: configs/NAME.yaml) or a YAML file (default: tiny)")
     p.add_argument("--workdir", default=None, help="override `workdir` (local path or s3://, gs:// URI)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. --set pairs.dupe_factor=5 (repeatable)")
@@ -43,7 +66,7 @@ class _RunLogFile(logging.FileHandler):
 
 def _log_file(workdir: str) -> str:
     """Every run also logs, with tracebacks, to <workdir>/logs/run-<time>.log (local workdirs)."""
-    if "://" in workdir:
+    if storage.is_remote(workdir):
         return ""
     path = os.path.join(WorkdirPaths(workdir).logs, time.strftime("run-%Y%m%d-%H%M%S.log"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -59,14 +82,37 @@ def _log_line(log_path: str) -> str:
     return f"full log, with the traceback: {log_path}{incomplete}"
 
 
-def _resume_command(args, stage: str | None) -> str:
-    """The command that resumes from `stage`; with no stage (the run failed before its first one), the command
-    as it was given."""
-    parts = ["bertpipe", "run", "--config", args.config]
+def _config_argv(args) -> list[str]:
+    """The user's --config, --workdir and --set, for a command the CLI suggests: it must act on the same config."""
+    parts = ["--config", args.config]
     if args.workdir:
         parts += ["--workdir", args.workdir]
     for item in args.overrides:
         parts += ["--set", item]
+    return parts
+
+
+_HINT = re.compile(r"`bertpipe (run|status)((?: [^`]*)?)`")
+
+
+def _with_config(text: str, args) -> str:
+    """A message's suggested `bertpipe run ...` / `bertpipe status ...` (the workflow knows no CLI arguments)
+    with the user's --config, --workdir and --set put in, so that it acts on the config the user meant."""
+    if not hasattr(args, "config"):
+        return text
+
+    def carry(m: re.Match) -> str:
+        if "--config" in m.group(2):
+            return m.group(0)
+        return f"`{shlex.join(['bertpipe', m.group(1), *_config_argv(args)])}{m.group(2)}`"
+
+    return _HINT.sub(carry, text)
+
+
+def _resume_command(args, stage: str | None) -> str:
+    """The command that resumes from `stage`; with no stage (the run failed before its first one), the command
+    as it was given."""
+    parts = ["bertpipe", "run", *_config_argv(args)]
     if stage:
         return shlex.join(parts + ["--from", stage])
     for item in args.only or []:
@@ -78,7 +124,7 @@ def _closing_lines(args, log_path: str, first: str, stage: str | None, fix: bool
     """The three lines a run that failed or was stopped ends with: what happened, the log, how to resume."""
     from bertpipe.jobs import console
 
-    console.error(first)
+    console.error(_with_config(first, args))
     if log_path:
         console.error(_log_line(log_path))
     console.error(f"{'after fixing it, ' if fix else ''}resume with: {_resume_command(args, stage)}")
@@ -99,7 +145,7 @@ def cmd_run(args) -> int:
 
 
 def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
-    from bertpipe.jobs import console, tracking, workflow
+    from bertpipe.jobs import console, next_steps, tracking, workflow
     from bertpipe.jobs.config import resolved_tracking_uri
     from bertpipe.pipeline import progress
 
@@ -119,6 +165,10 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
     except workflow.StageFailed as exc:
         # INFO: into the log file with its traceback; the console gets the three lines below instead.
         logging.getLogger("bertpipe").info("%s", causes.strip_ansi(str(exc)), exc_info=exc.cause)
+        if isinstance(exc.cause, BrokenPipeError) and _stdout_closed():  # `bertpipe run | head`: not the stage's fault
+            _closing_lines(args, log_path, f"stage {exc.stage} stopped: standard output was closed", exc.stage,
+                           fix=False)
+            return _SIGPIPE_EXIT
         _closing_lines(args, log_path, f"stage {exc.stage} failed: {causes.first_line(exc.cause)}", exc.stage)
         return 2 if isinstance(exc.cause, (ConfigError, StageInputError)) else 1
     except KeyboardInterrupt as exc:  # SIGINT, SIGTERM, SIGHUP (jobs/interrupts.py): cleaned up on the way here
@@ -131,13 +181,13 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
         raise  # bad input found by the workflow itself: one line (main)
     except Exception as exc:  # noqa: BLE001 - outside any stage (the MLflow store on a full disk, say): same lines
         logging.getLogger("bertpipe").info("run failed outside its stages", exc_info=exc)
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            _closing_lines(args, log_path, "run stopped: standard output was closed", None, fix=False)
+            return _SIGPIPE_EXIT
         _closing_lines(args, log_path, f"run failed before or between its stages: {causes.first_line(exc)}", None)
         return 1
-    console.summary(summary)
-    report = WorkdirPaths(cfg.workdir).stage("finetune")
-    if "finetune" in selected and "://" not in report and os.path.isfile(os.path.join(report, "summary.md")):
-        with open(os.path.join(report, "summary.md")) as f:
-            console.glue_table(f.read())
+    # The summary and GLUE tables, then where everything is and what to do next (jobs/next_steps.py).
+    next_steps.show(cfg, args, selected, summary, config_name)
     return 0
 
 
@@ -146,6 +196,9 @@ def cmd_status(args) -> int:
 
     rows = workflow.status(_config(args), verify=args.verify)
     rows = redact.mask_data(rows)  # an s3://KEY:SECRET@bucket workdir is shown masked
+    for row in rows:
+        if row.get("problem"):
+            row["problem"] = _with_config(row["problem"], args)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -154,6 +207,18 @@ def cmd_status(args) -> int:
         secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-"
         print(f"{r['stage']:<9} {r['state']:<8} {str(r['rows'] if r['rows'] is not None else '-'):>10} "
               f"{secs:>9}  {r['output']}" + (f"  ({r['problem']})" if r.get("problem") else ""))
+    return 0
+
+
+def cmd_config(args) -> int:
+    """The config a run with these arguments would use, as YAML of the shape a preset has: every section and
+    field, defaults included, every path absolute (or a URI) as the run resolves it; credentials masked."""
+    import yaml
+
+    from bertpipe.jobs.config import config_as_dict
+
+    data = redact.mask_data(config_as_dict(_config(args)))
+    sys.stdout.write(yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120))
     return 0
 
 
@@ -169,13 +234,17 @@ def cmd_fetch_sample(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bertpipe", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run the workflow (or some stages); fresh stages are skipped")
     _add_config_args(p)
-    p.add_argument("--only", action="append", metavar="STAGE[,STAGE...]", help="run just these stages")
-    p.add_argument("--from", dest="start", metavar="STAGE", help="run this stage and every later one")
+    stages = _stages_help()
+    p.add_argument("--only", action="append", metavar="STAGE[,STAGE...]",
+                   help=f"run just these stages (repeatable); stages: {stages}")
+    p.add_argument("--from", dest="start", metavar="STAGE",
+                   help=f"run this stage and the later ones (opt-in ones only when named); stages: {stages}")
     p.add_argument("--force", action="store_true", help="rerun the selected stages even if fresh")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="show Ray's, Ray Data's and the workers' own output too")
@@ -187,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="also compare every committed file's sha256 with its manifest (reads every output)")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("config", help="print the resolved config (YAML, paths absolute) that `run` would use")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("fetch-sample", help="fetch the real Wikipedia sample dumps (gensim 4.4.0 wheel, via pip)")
     p.add_argument("--dest", default="data/sample")
@@ -206,16 +279,49 @@ def main(argv: list[str] | None = None) -> int:
     redact.install_excepthook()
     # SIGINT / SIGTERM / SIGHUP end the run through an exception, so every cleanup runs (exit 128 + signal).
     interrupts.install()
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not as "Exception ignored" when Python exits
+    except BrokenPipeError as exc:
+        if not _stdout_closed():  # another pipe or socket: an error like any other
+            print(f"bertpipe: error: {redact.mask(_first_line(exc))}", file=sys.stderr)
+            return 1
+        # `bertpipe status --json | head -1`: the reader has what it wanted. End as a unix tool killed by SIGPIPE
+        # would (141), quietly; what is still buffered goes to /dev/null rather than into an error at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return _SIGPIPE_EXIT
+
+
+_SIGPIPE_EXIT = 128 + 13
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no fileno (replaced stdout), or no poll on this platform
+        return False
+
+
+def _dispatch(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
     try:
         return args.func(args)
     except (ConfigError, StageInputError, ValueError, WorkdirBusy) as exc:
-        print(f"bertpipe: error: {redact.mask(_first_line(exc))}", file=sys.stderr)
+        print(f"bertpipe: error: {redact.mask(_with_config(_first_line(exc), args))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # before the run had a log file (preflight, the lock): one line
         print(f"bertpipe: {interrupts.describe(exc)}", file=sys.stderr)
         return interrupts.exit_code(exc)
+    except BrokenPipeError:
+        raise  # main: a closed stdout ends quietly
     except OSError as exc:  # before the run had a log file: a full disk refusing the lock record, say
         print(f"bertpipe: error: {redact.mask(_first_line(exc))}", file=sys.stderr)
         return 1

@@ -1,8 +1,12 @@
 """`bertpipe submit` and `bertpipe jobs`: the workflow (or any subcommand) as a Ray job, through the Jobs API.
 
 Authentication is Ray's token auth: with RAY_AUTH_MODE=token the Jobs client sends the token from
-RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. The job inherits MLFLOW_TRACKING_URI so the
-driver on the cluster logs where the submitter looks.
+RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token. A cluster that refuses it is one line (exit 2) that says
+where the token is read from. The job inherits MLFLOW_TRACKING_URI so the driver on the cluster logs where the
+submitter looks.
+
+`submit` behaves as `ray job submit`: it follows the job's logs until the job ends and exits with the job's
+outcome; `--no-wait` returns once the job is submitted, printing the commands that follow it.
 
 No secret travels with a job: a job's runtime_env is readable by anyone who can reach the Jobs API and is
 written into the job's logs, so `--env` refuses secret-looking names and values with credentials, and the
@@ -11,10 +15,12 @@ forwarded tracking URI loses its user:password@ part. The cluster gives jobs the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from bertpipe.pipeline.redact import has_credentials, is_secret_name, mask, strip_userinfo
 
@@ -66,16 +72,66 @@ class ClusterUnreachable(ValueError):
     """No Ray cluster answers at the address: a user error with a one-line fix, not a traceback."""
 
 
+class ClusterRefusedToken(ValueError):
+    """The cluster's Jobs API answered 401 (no token sent) or 403 (a token it does not accept)."""
+
+
+TOKEN_SOURCES = "RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token"
+
+
+def _token_source() -> str:
+    """Where Ray's client takes the token from, in Ray's order of precedence (never the token itself)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"the file {os.environ['RAY_AUTH_TOKEN_PATH']} (RAY_AUTH_TOKEN_PATH)"  # not NAME=value: masked
+    default = Path.home() / ".ray" / "auth_token"
+    return f"the file {default}" if default.is_file() else ""
+
+
+def _check_token_file() -> None:
+    """A RAY_AUTH_TOKEN_PATH that cannot be read: Ray treats it as fatal (it aborts); one line here instead."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if not path or os.environ.get("RAY_AUTH_TOKEN"):
+        return
+    try:
+        empty = not Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ClusterRefusedToken(f"cannot read the Ray token file {path} that RAY_AUTH_TOKEN_PATH names "
+                                  f"({exc.strerror}): point it at the cluster's token file, or set RAY_AUTH_TOKEN"
+                                  ) from None
+    if empty:
+        raise ClusterRefusedToken(f"the Ray token file {path} that RAY_AUTH_TOKEN_PATH names is empty: it must hold "
+                                  "the cluster's token")
+
+
+@contextlib.contextmanager
+def _refusal_in_one_line(address: str):
+    """Ray's AuthenticationError (a multi-line message, a traceback if uncaught) as one line naming where the token
+    is read from."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        yield
+    except AuthenticationError as exc:
+        sent = _token_source()
+        why = ("no token was sent" if not sent or "required" in str(exc).lower().split(":")[0]
+               else f"it does not accept the token from {sent}")
+        raise ClusterRefusedToken(
+            f"the Ray cluster at {address} refused authentication ({why}); bertpipe sends the token from "
+            f"{TOKEN_SOURCES} (set it to the cluster's token)") from None
+
+
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
 
-    has_token = (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-                 or os.path.exists(os.path.expanduser("~/.ray/auth_token")))
-    if os.environ.get("RAY_AUTH_MODE") != "token" and has_token:
+    _check_token_file()
+    if os.environ.get("RAY_AUTH_MODE") != "token" and _token_source():
         # A token is at hand but auth mode is unset: the client would send nothing and get a 401.
         os.environ["RAY_AUTH_MODE"] = "token"
     try:
-        return JobSubmissionClient(address)
+        with _refusal_in_one_line(address):
+            return JobSubmissionClient(address)
     except ConnectionError:
         raise ClusterUnreachable(
             f"no Ray cluster answers at {address}: start one with `infra/local/cluster.sh start` (then "
@@ -107,43 +163,82 @@ def cmd_submit(args) -> int:
         runtime_env["working_dir"] = args.working_dir
     client = _client(address)
     submitted = time.time()
-    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env, submission_id=args.job_id or None)
+    with _refusal_in_one_line(address):
+        job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env,
+                                   submission_id=args.job_id or None)
     print(f"job:       {job_id}")
     print(f"entry:     {mask(entrypoint)}")
     print(f"dashboard: {address.rstrip('/')}/#/jobs/{job_id}")
     print(f"mlflow:    {env.get('MLFLOW_TRACKING_URI', '(the config default: a SQLite store under the workdir)')}")
-    sys.stdout.flush()
-    if not args.wait:
+    if args.no_wait:
+        for what, action in (("follow", "logs --follow"), ("status", "status"), ("stop", "stop")):
+            print(f"{what + ':':<10} {_jobs_command(args, action, job_id)}")
+        sys.stdout.flush()
         return 0
-    return _follow(client, job_id, submitted)
+    print("[bertpipe] following the job's logs until it ends (Ctrl-C stops following, not the job; "
+          "--no-wait returns at once)", flush=True)
+    with _refusal_in_one_line(address):
+        return _follow(client, job_id, submitted, args)
 
 
-def _follow(client, job_id: str, submitted: float) -> int:
+def _jobs_command(args, action: str, job_id: str) -> str:
+    """`bertpipe jobs ACTION JOB`, with the user's --address when they gave one."""
+    return shlex.join(["bertpipe", "jobs", *action.split(), job_id, *(["--address", args.address] if args.address
+                                                                       else [])])
+
+
+def exit_status(info) -> int:
+    """The exit status of a job that ended: 0 if it succeeded, else its driver's own exit status when Ray
+    knows it (2: bad input, 130/143: interrupted), else 1."""
+    status = str(info.status).split(".")[-1]
+    if status == "SUCCEEDED":
+        return 0
+    code = getattr(info, "driver_exit_code", None)
+    return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+def _follow(client, job_id: str, submitted: float, args) -> int:
     printed, first_running = 0, None
-    while True:
-        status = str(client.get_job_status(job_id)).split(".")[-1]
-        if status == "RUNNING" and first_running is None:
-            first_running = time.time()
-            print(f"[bertpipe] job running {first_running - submitted:.1f} s after submission", flush=True)
-        logs = client.get_job_logs(job_id)
-        if len(logs) > printed:
-            sys.stdout.write(logs[printed:])
-            sys.stdout.flush()
-            printed = len(logs)
-        if status in TERMINAL:
-            print(f"[bertpipe] job {job_id} {status} after {time.time() - submitted:.1f} s", flush=True)
-            return 0 if status == "SUCCEEDED" else 1
-        time.sleep(1.0)
+    try:
+        while True:
+            status = str(client.get_job_status(job_id)).split(".")[-1]
+            if status == "RUNNING" and first_running is None:
+                first_running = time.time()
+                print(f"[bertpipe] job running {first_running - submitted:.1f} s after submission", flush=True)
+            logs = client.get_job_logs(job_id)
+            if len(logs) > printed:
+                sys.stdout.write(logs[printed:])
+                sys.stdout.flush()
+                printed = len(logs)
+            if status in TERMINAL:
+                info = client.get_job_info(job_id)
+                why = f": {info.message.strip().splitlines()[0]}" if status != "SUCCEEDED" and info.message else ""
+                print(f"[bertpipe] job {job_id} {status} after {time.time() - submitted:.1f} s{why}", flush=True)
+                return exit_status(info)
+            time.sleep(1.0)
+    except KeyboardInterrupt as exc:  # the job goes on: say how to find it again
+        from bertpipe.jobs import interrupts
+
+        print(f"bertpipe: stopped following job {job_id} ({interrupts.describe(exc)}); it goes on: "
+              f"{_jobs_command(args, 'logs --follow', job_id)}, or stop it: {_jobs_command(args, 'stop', job_id)}",
+              file=sys.stderr)
+        return interrupts.exit_code(exc)
 
 
 def cmd_jobs(args) -> int:
-    client = _client(_address(args))
+    address = _address(args)
+    client = _client(address)
+    with _refusal_in_one_line(address):
+        return _jobs_action(client, args)
+
+
+def _jobs_action(client, args) -> int:
     if args.action == "status":
         info = client.get_job_info(args.job)
         print(f"{args.job}: {str(info.status).split('.')[-1]}" + (f" ({info.message})" if info.message else ""))
     elif args.action == "logs":
         if args.follow:
-            return _follow(client, args.job, time.time())
+            return _follow(client, args.job, time.time(), args)
         sys.stdout.write(client.get_job_logs(args.job))
     elif args.action == "stop":
         stopped = client.stop_job(args.job)
@@ -155,19 +250,33 @@ def cmd_jobs(args) -> int:
 
 
 def add_parsers(sub) -> None:
-    p = sub.add_parser("submit", help="submit a bertpipe subcommand to a Ray cluster as a job",
-                       usage="bertpipe submit [--address URL] [--wait] -- run [run options]")
+    p = sub.add_parser("submit", help="submit a bertpipe subcommand to a Ray cluster as a job and follow its logs",
+                       usage="bertpipe submit [--address URL] [--no-wait] -- run [run options]")
     p.add_argument("--address", default="", help=f"dashboard URL (default: $RAY_ADDRESS or {DEFAULT_DASHBOARD})")
-    p.add_argument("--wait", action="store_true", help="follow the job's logs until it ends; exit 1 unless it succeeded")
-    p.add_argument("--working-dir", default="", help="upload this folder as the job's working dir (code not in the image)")
+    p.add_argument("--no-wait", action="store_true",
+                   help="return once the job is submitted, printing the commands that follow it (default, as "
+                        "`ray job submit`: follow the job's logs until it ends and exit with its outcome: 0 if it "
+                        "succeeded, else its exit status, or 1)")
+    p.add_argument("--wait", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old scripts
+    p.add_argument("--working-dir", default="",
+                   help="upload this folder as the job's working dir (code not in the image)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env var for the job")
     p.add_argument("--job-id", default="", help="submission id (default: generated)")
     p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the bertpipe subcommand to run")
     p.set_defaults(func=cmd_submit)
 
+    address_help = f"dashboard URL (default: $RAY_ADDRESS or {DEFAULT_DASHBOARD})"
     p = sub.add_parser("jobs", help="status, logs, stop or list of submitted jobs")
-    p.add_argument("action", choices=["status", "logs", "stop", "list"])
-    p.add_argument("job", nargs="?", default="")
-    p.add_argument("--address", default="")
-    p.add_argument("--follow", action="store_true", help="with logs: follow until the job ends")
-    p.set_defaults(func=cmd_jobs)
+    p.add_argument("--address", default="", help=address_help)
+    p.set_defaults(func=cmd_jobs, job="", follow=False)
+    actions = p.add_subparsers(dest="action", required=True, metavar="{status,logs,stop,list}")
+    # One parser per action, so that options and the job id go in any order (`logs --follow JOB`, `logs JOB
+    # --follow`); --address here too, after the action, as `ray job` takes it.
+    for action, what in (("status", "the job's state"), ("logs", "the job's logs so far"),
+                         ("stop", "ask the cluster to stop the job"), ("list", "every job the cluster knows")):
+        a = actions.add_parser(action, help=what)
+        if action != "list":
+            a.add_argument("job", metavar="JOB_ID", help="the submission id `submit` printed (`jobs list` lists them)")
+        if action == "logs":
+            a.add_argument("--follow", action="store_true", help="follow the logs until the job ends")
+        a.add_argument("--address", default=argparse.SUPPRESS, help=address_help)

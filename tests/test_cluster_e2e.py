@@ -116,7 +116,7 @@ def test_submitted_workflow_runs_every_stage_then_skips_then_reruns_one(cluster,
               *USER_RUN_SETTINGS]
 
     t0 = time.time()
-    first = _bertpipe(cluster, "submit", "--wait", "--", "run", *common)
+    first = _bertpipe(cluster, "submit", "--", "run", *common)  # as the README shows it: follows the job to its end
     wall = time.time() - t0
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
     assert re.search(r"^job:\s+\S+", first.stdout, re.M) and "dashboard:" in first.stdout

@@ -1,0 +1,404 @@
+"""The CLI's everyday habits (issue 26, item 5), through the installed `bertpipe` command:
+
+`--version`; `--help` that lists the stages and the presets from the code's own lists; `bertpipe config` printing
+the resolved config; hints that carry the user's --config / --workdir / --set; a closed stdout that ends quietly;
+a Ray cluster that refuses the token in one line (exit 2); `submit` that follows the job like `ray job submit`.
+The cluster tests start a real token-protected Ray head (tests/test_cluster_e2e.py's fixture) and stop it.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bertpipe.jobs import cli, config as config_module, workflow
+from bertpipe.jobs.config import config_as_dict, load_config, preset_names
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+BERTPIPE = str(BIN / "bertpipe")
+
+
+def bertpipe(*args: str, cwd: Path | str = REPO, env: dict | None = None, stdout=subprocess.PIPE,
+             timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([BERTPIPE, *args], cwd=cwd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                          timeout=timeout)
+
+
+def flat(text: str) -> str:
+    """argparse wraps help at the terminal's width: one line, single spaces."""
+    return " ".join(text.split())
+
+
+def readme_commands(prefix: str) -> list[str]:
+    """The README's shown commands that start with `prefix` (its code blocks; trailing comments dropped)."""
+    out, in_block = [], False
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            in_block = not in_block
+            continue
+        text = line.split(" #", 1)[0].strip()
+        if in_block and text.startswith(prefix):
+            out.append(text)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --version, --help
+
+
+def test_version_prints_the_installed_package_version():
+    for command in ["bertpipe --version", *readme_commands("bertpipe --version")]:
+        out = bertpipe(*shlex.split(command)[1:])
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == f"bertpipe {importlib.metadata.version('bertpipe')}\n"
+        assert out.stderr == ""
+
+
+def test_help_lists_every_stage_and_every_preset():
+    presets = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+    assert presets and preset_names() == presets
+    for name in presets:  # each listed name is one --config resolves
+        assert config_module.find_preset(name) == REPO / "configs" / f"{name}.yaml"
+    stages = [s.name for s in workflow.STAGES]
+    for command in ("run", "status", "config"):
+        out = bertpipe(command, "--help")
+        assert out.returncode == 0, out.stderr
+        text = flat(out.stdout)
+        assert f"a preset ({', '.join(presets)}: configs/NAME.yaml) or a YAML file" in text, text
+        if command == "run":
+            default = [s.name for s in workflow.STAGES if not s.opt_in]
+            opt_in = [s.name for s in workflow.STAGES if s.opt_in]
+            listed = f"stages: {', '.join(default)}; opt-in: {', '.join(opt_in)}"
+            assert text.count(listed) == 2, text  # --only and --from
+            assert set(stages) == set(default) | set(opt_in)
+    top = bertpipe("--help")
+    assert top.returncode == 0 and "--version" in top.stdout and "config" in top.stdout
+
+
+def test_help_follows_the_codes_lists_not_a_copy_of_them(tmp_path, monkeypatch, capsys):
+    """A preset added to configs/ or a stage added to the workflow shows up in --help with no other change."""
+    (tmp_path / "huge.yaml").write_text("seed: 1\n")
+    (tmp_path / "small.yaml").write_text("seed: 2\n")
+    monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)
+    extra = workflow.Stage("distill", ("pretrain",), ("pretrain",), "x:y", opt_in=True)
+    monkeypatch.setattr(workflow, "STAGES", (*workflow.STAGES, extra))
+    with pytest.raises(SystemExit) as done:
+        cli.build_parser().parse_args(["run", "--help"])
+    assert done.value.code == 0
+    text = flat(capsys.readouterr().out)
+    assert "a preset (huge, small: configs/NAME.yaml)" in text
+    assert re.search(r"opt-in: [\w, ]*\bdistill\b", text)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bertpipe config
+
+
+def test_config_prints_the_resolved_config_as_a_preset_it_can_be_run_from(tmp_path):
+    overrides = ["pairs.dupe_factor=3", "vocab.input=corpus.txt"]
+    argv = ["config", "--config", "tiny", "--workdir", "w1"]
+    for item in overrides:
+        argv += ["--set", item]
+    out = bertpipe(*argv, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == ""
+    printed = yaml.safe_load(out.stdout)
+    expected = load_config("tiny", overrides, "w1", base=str(tmp_path))
+    assert printed == config_as_dict(expected)
+    # The shape a user writes, every field there, every path as the run resolves it (against the cwd).
+    assert list(printed) == list(config_as_dict(load_config("tiny")))
+    assert printed["pairs"]["dupe_factor"] == 3
+    assert printed["workdir"] == str(tmp_path / "w1")
+    assert printed["vocab"]["input"] == str(tmp_path / "corpus.txt")
+    assert printed["clean"]["input"] == [str(tmp_path / "data" / "sample" /  # the preset's relative path
+                                          "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")]
+    # Saved, it is a config file: the same config from anywhere.
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(out.stdout)
+    assert load_config(str(saved), base="/") == expected
+
+
+def test_config_command_shown_in_the_readme_runs(tmp_path):
+    commands = readme_commands("bertpipe config")
+    assert commands, "the README shows `bertpipe config`"
+    for command in commands:
+        out = bertpipe(*shlex.split(command)[1:], cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        assert yaml.safe_load(out.stdout)["workdir"].startswith("/")
+
+
+@pytest.mark.parametrize("bad", ["pairs.dupe_factr=3", "pairs.dupe_factor=three", "nokey"])
+def test_config_refuses_a_bad_set_with_the_same_line_as_run(tmp_path, bad):
+    shown = bertpipe("config", "--config", "tiny", "--set", bad, cwd=tmp_path)
+    run = bertpipe("run", "--config", "tiny", "--workdir", str(tmp_path / "w"), "--set", bad, cwd=tmp_path)
+    assert shown.returncode == run.returncode == 2
+    assert shown.stdout == ""
+    assert shown.stderr == run.stderr
+    assert len(shown.stderr.splitlines()) == 1 and shown.stderr.startswith("bertpipe: error: ")
+    assert not (tmp_path / "w").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# hints carry the user's config
+
+
+def _hinted(text: str, sub: str = "run") -> list[list[str]]:
+    return [shlex.split(cmd) for cmd in re.findall(rf"`(bertpipe {sub}\b[^`]*)`", text)]
+
+
+def test_status_hint_carries_config_workdir_and_sets(tmp_path):
+    workdir = tmp_path / "my work"
+    args = ["--config", "mini", "--workdir", str(workdir), "--set", "pairs.dupe_factor=3"]
+    out = bertpipe("status", *args, "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rows = {r["stage"]: r for r in json.loads(out.stdout)}
+    hints = _hinted(rows["vocab"]["problem"])
+    assert hints == [["bertpipe", "run", *args, "--from", "clean"]], rows["vocab"]["problem"]
+    # The hinted command acts on the config status looked at, not on the tiny preset.
+    hinted = cli.build_parser().parse_args(hints[0][1:])
+    assert load_config(hinted.config, hinted.overrides, hinted.workdir, base=str(tmp_path)) == \
+        load_config("mini", ["pairs.dupe_factor=3"], str(workdir), base=str(tmp_path))
+    table = bertpipe("status", *args, cwd=tmp_path)
+    assert table.returncode == 0
+    assert f"`{shlex.join(['bertpipe', 'run', *args, '--from', 'clean'])}`" in table.stdout
+
+
+def test_run_refusal_hint_carries_the_config(tmp_path):
+    out = bertpipe("run", "--config", "mini", "--workdir", "w", "--only", "vocab", cwd=tmp_path)
+    assert out.returncode == 2
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert _hinted(out.stderr) == [["bertpipe", "run", "--config", "mini", "--workdir", "w", "--from", "clean"]]
+
+
+def test_hint_rewrite_keeps_a_hint_that_names_its_config():
+    args = cli.build_parser().parse_args(["status", "--config", "mini"])
+    assert cli._with_config("run `bertpipe run --config x --from a`", args) == "run `bertpipe run --config x --from a`"
+    assert cli._with_config("`bertpipe run` runs the rest", args) == "`bertpipe run --config mini` runs the rest"
+    assert cli._with_config("`bertpipe fetch-sample` first", args) == "`bertpipe fetch-sample` first"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a closed stdout
+
+
+def _with_closed_stdout(*args: str, cwd: Path | str = REPO) -> subprocess.CompletedProcess:
+    """The command with its stdout a pipe whose reader is already gone: every write fails with EPIPE."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return bertpipe(*args, cwd=cwd, stdout=write)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("args", [["status", "--json"], ["status"], ["config"], ["--version"], ["run", "--help"]])
+def test_closed_stdout_ends_quietly(tmp_path, args):
+    if args[0] in ("status", "config"):
+        args = [*args, "--config", "tiny", "--workdir", str(tmp_path / "w")]
+    out = _with_closed_stdout(*args, cwd=tmp_path)
+    # argparse prints --help / --version itself and ignores a failed write (exit 0); the commands end as a unix
+    # tool that SIGPIPE killed would (141).
+    assert out.returncode == (0 if args[-1].startswith("--") else 141), out.stderr
+    assert out.stderr == ""
+
+
+def test_status_piped_into_head_ends_quietly(tmp_path):
+    script = (f"set -o pipefail; {shlex.quote(BERTPIPE)} status --config tiny --workdir {shlex.quote(str(tmp_path))} "
+              "--json | head -1")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode in (0, 141), out.stderr
+    assert out.stdout == "[\n"
+    assert out.stderr == ""
+
+
+def test_run_with_a_closed_stdout_stops_quietly_and_frees_the_workdir(tmp_path, enwiki_sample):
+    workdir = tmp_path / "w"
+    args = ["run", "--config", "tiny", "--workdir", str(workdir), "--only", "clean", "--set",
+            f"clean.input=[{enwiki_sample}]"]
+    for _ in range(2):  # the second one finds the workdir free again (not "in use by another run", exit 2)
+        out = _with_closed_stdout(*args, cwd=tmp_path)
+        assert out.returncode == 141, out.stderr
+        assert out.stderr == ""
+    status = bertpipe("status", "--config", "tiny", "--workdir", str(workdir), "--json", cwd=tmp_path)
+    assert status.returncode == 0 and json.loads(status.stdout)[0]["state"] == "missing"
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_an_error():
+    """Only a closed stdout ends quietly: EPIPE from another pipe or socket (stdout still read) is an error."""
+    code = ("import sys; from bertpipe.jobs import cli\n"
+            "def dispatch(argv): raise BrokenPipeError(32, 'Broken pipe')\n"
+            "cli._dispatch = dispatch\n"
+            "sys.exit(cli.main([]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr == "bertpipe: error: [Errno 32] Broken pipe\n"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a token-protected Ray cluster
+
+# test_cluster_e2e.py's fixture, registered here as `e2e_cluster`: infra/local/cluster.sh starts a real Ray head
+# with token auth (and its MLflow server) for this module, and stops it.
+from test_cluster_e2e import cluster as e2e_cluster  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def token_cluster(request):
+    return request.getfixturevalue("e2e_cluster")
+
+
+def _client_env(cluster: dict, home: Path, **token: str) -> dict[str, str]:
+    """The cluster's client env with the token taken away (and a HOME without ~/.ray/auth_token), plus `token`."""
+    env = {k: v for k, v in cluster["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    home.mkdir(exist_ok=True)
+    env["HOME"] = str(home)
+    env.update(token)
+    return env
+
+
+REFUSED = re.compile(r"^bertpipe: error: the Ray cluster at (\S+) refused authentication \((.+?)\); bertpipe sends "
+                     r"the token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/\.ray/auth_token "
+                     r"\(set it to the cluster's token\)\n$")
+
+
+@pytest.mark.integration
+def test_a_refused_token_is_one_line_with_exit_2(token_cluster, tmp_path):
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("0" * 64)
+    (tmp_path / "home2" / ".ray").mkdir(parents=True)
+    (tmp_path / "home2" / ".ray" / "auth_token").write_text("e" * 64)
+    cases = {
+        "no token": (_client_env(token_cluster, tmp_path / "home"), "no token was sent"),
+        "no token, mode on": (_client_env(token_cluster, tmp_path / "home", RAY_AUTH_MODE="token"),
+                              "no token was sent"),
+        "wrong RAY_AUTH_TOKEN": (_client_env(token_cluster, tmp_path / "home", RAY_AUTH_TOKEN="f" * 64),
+                                 "it does not accept the token from RAY_AUTH_TOKEN"),
+        "wrong token file": (_client_env(token_cluster, tmp_path / "home", RAY_AUTH_TOKEN_PATH=str(wrong)),
+                             f"it does not accept the token from the file {wrong} (RAY_AUTH_TOKEN_PATH)"),
+        "wrong ~/.ray/auth_token": (_client_env(token_cluster, tmp_path / "home2"),
+                                    f"it does not accept the token from the file {tmp_path}/home2/.ray/auth_token"),
+    }
+    commands = [["jobs", "list"], ["jobs", "logs", "raysubmit_x"], ["jobs", "status", "raysubmit_x"],
+                ["submit", "--", "--version"], ["submit", "--no-wait", "--", "--version"]]
+    for case, (env, why) in cases.items():
+        for command in commands:
+            out = bertpipe(*command, env=env, cwd=tmp_path)
+            assert out.returncode == 2, (case, command, out.stdout, out.stderr)
+            m = REFUSED.match(out.stderr)
+            assert m, (case, command, out.stderr)
+            assert m.group(1) == token_cluster["dashboard"] and m.group(2) == why, (case, command, out.stderr)
+            assert out.stdout == ""
+    # Nothing was submitted by the refused calls.
+    listed = bertpipe("jobs", "list", env=token_cluster["env"], cwd=tmp_path)
+    assert listed.returncode == 0 and listed.stdout == "", listed.stderr
+
+    unreadable = _client_env(token_cluster, tmp_path / "home", RAY_AUTH_TOKEN_PATH=str(tmp_path / "absent"))
+    out = bertpipe("jobs", "list", env=unreadable, cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert f"cannot read the Ray token file {tmp_path / 'absent'} that RAY_AUTH_TOKEN_PATH names" in out.stderr
+    (tmp_path / "empty").write_text("\n")
+    out = bertpipe("jobs", "list", env={**unreadable, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "empty")}, cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert f"the Ray token file {tmp_path / 'empty'} that RAY_AUTH_TOKEN_PATH names is empty" in out.stderr
+
+
+@pytest.mark.integration
+def test_submit_follows_the_job_to_its_end_like_ray_job_submit(token_cluster, tmp_path):
+    env = token_cluster["env"]
+    ok = bertpipe("submit", "--", "--version", env=env, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in ok.stdout  # the job's own output, followed
+    assert re.search(r"^\[bertpipe\] job \S+ SUCCEEDED after", ok.stdout, re.M), ok.stdout
+
+    # A job that fails: its log, its final state, and its own exit status (2: bad input).
+    bad = bertpipe("submit", "--", "config", "--config", "no_such_preset", env=env, cwd=tmp_path)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "bertpipe: error: config 'no_such_preset' not found" in bad.stdout
+    assert re.search(r"^\[bertpipe\] job \S+ FAILED after", bad.stdout, re.M), bad.stdout
+
+    # --wait, the old spelling of the default, is still accepted.
+    old = bertpipe("submit", "--wait", "--", "--version", env=env, cwd=tmp_path)
+    assert old.returncode == 0 and "SUCCEEDED" in old.stdout, old.stdout + old.stderr
+
+
+@pytest.mark.integration
+def test_submit_no_wait_returns_at_once_with_the_commands_that_follow_the_job(token_cluster, tmp_path):
+    env = token_cluster["env"]
+    t0 = time.monotonic()
+    out = bertpipe("submit", "--no-wait", "--address", token_cluster["dashboard"], "--", "--version", env=env,
+                   cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = re.search(r"^job:\s+(\S+)$", out.stdout, re.M).group(1)
+    assert "following" not in out.stdout and "SUCCEEDED" not in out.stdout
+    assert time.monotonic() - t0 < 60
+    shown = dict(re.findall(r"^(follow|status|stop):\s+(.+)$", out.stdout, re.M))
+    address = ["--address", token_cluster["dashboard"]]
+    assert shlex.split(shown["follow"]) == ["bertpipe", "jobs", "logs", "--follow", job, *address]
+    assert shlex.split(shown["status"]) == ["bertpipe", "jobs", "status", job, *address]
+    assert shlex.split(shown["stop"]) == ["bertpipe", "jobs", "stop", job, *address]
+    followed = bertpipe(*shlex.split(shown["follow"])[1:], env=env, cwd=tmp_path)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in followed.stdout
+    status = bertpipe(*shlex.split(shown["status"])[1:], env=env, cwd=tmp_path)
+    assert status.returncode == 0 and status.stdout.startswith(f"{job}: SUCCEEDED"), status.stdout + status.stderr
+
+
+@pytest.mark.integration
+def test_run_whose_reader_goes_away_mid_run_stops_in_three_quiet_lines(tmp_path, enwiki_sample):
+    """`bertpipe run | head -3`: the run stops at its next line (as a unix tool would), cleans up, says where it
+    stopped and how to resume, without naming a BrokenPipeError; exit 141."""
+    workdir = tmp_path / "w"
+    args = ["run", "--config", "tiny", "--workdir", str(workdir), "--only", "clean", "--set",
+            f"clean.input=[{enwiki_sample}]"]
+    proc = subprocess.Popen([BERTPIPE, *args], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    header = [proc.stdout.readline()]
+    while header[-1] and not header[-1].startswith("  log "):  # the header's last line; Ray starts after it
+        header.append(proc.stdout.readline())
+    assert header[0].startswith("bertpipe run") and header[-1], header
+    proc.stdout.close()  # the reader is gone; the run has more to say
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 3, stderr
+    assert re.fullmatch(r"bertpipe: (stage clean|run) stopped: standard output was closed", lines[0]), stderr
+    assert lines[1].startswith("bertpipe: full log, with the traceback: ")
+    assert lines[2].startswith("bertpipe: resume with: bertpipe run --config tiny --workdir ")
+    assert "BrokenPipe" not in stderr and "Exception ignored" not in stderr
+    again = _with_closed_stdout(*args, cwd=tmp_path)  # the lock was released
+    assert again.returncode == 141 and again.stderr == "", again.stderr
+
+
+def test_following_a_job_stopped_by_ctrl_c_says_how_to_find_it_again(capsys):
+    from bertpipe.jobs import submit
+
+    class Client:
+        def get_job_status(self, job_id):
+            raise KeyboardInterrupt
+
+    args = cli.build_parser().parse_args(["submit", "--address", "http://h:8265", "--", "run"])
+    assert submit._follow(Client(), "raysubmit_1", time.time(), args) == 130
+    err = capsys.readouterr().err
+    assert "stopped following job raysubmit_1" in err and "it goes on" in err
+    assert "bertpipe jobs logs --follow raysubmit_1 --address http://h:8265" in err
+    assert "bertpipe jobs stop raysubmit_1 --address http://h:8265" in err
+
+
+@pytest.mark.parametrize("status,code,expected", [("SUCCEEDED", 0, 0), ("FAILED", 2, 2), ("FAILED", None, 1),
+                                                  ("STOPPED", None, 1), ("FAILED", -9, 1)])
+def test_submit_exit_status_is_the_jobs_outcome(status, code, expected):
+    from types import SimpleNamespace
+
+    from bertpipe.jobs import submit
+
+    assert submit.exit_status(SimpleNamespace(status=f"JobStatus.{status}", driver_exit_code=code)) == expected
