@@ -3,8 +3,8 @@
 1. Cleaning throughput, one process (= per core): our pure core vs WikiExtractor 3.1.0's in-process
    Extractor.clean_text (the tool behind the original BERT/NVIDIA corpora), on the articles of the enwiki sample
    replicated N times; rounds are interleaved and the best round counts, since the machine is shared.
-2. Peak RSS of one clean worker (read + clean + write, as a Ray task runs it) on the sample replicated 1x and 20x with new
-   page ids, written as new .bz2 dumps: it must stay flat as the dump grows.
+2. Peak RSS of one clean worker (read + clean + write, as a Ray task runs it) on the sample replicated 1x and 20x
+   with new page ids, written as new .bz2 dumps: it must stay flat as the dump grows.
 3. Wall time of the whole stage on 2 files with 1 vs 2 Ray read workers.
 
     python benchmarks/bench_clean.py [--replicas 3] [--rounds 3] [--rss-replicas 1,20] [--skip-ray]

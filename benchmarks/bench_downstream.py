@@ -22,7 +22,6 @@ the eval articles (split by article). CoNLL: trained on (a subsample of) train.t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import resource
@@ -38,17 +37,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bertpipe.jobs.downstream.training import load_tokenizer, pad_rows  # noqa: E402
 from bertpipe.jobs.ner.config import NerConfig  # noqa: E402
-from bertpipe.jobs.ner.conll import read_conll, to_iob2  # noqa: E402
-from bertpipe.jobs.ner.conlleval import score as conll_score  # noqa: E402
-from bertpipe.jobs.ner.features import build_rows  # noqa: E402
-from bertpipe.jobs.ner.trial import NerData, run_ner_trial  # noqa: E402
+from bertpipe.jobs.ner.trial import NerData, NerTask  # noqa: E402
 from bertpipe.jobs.squad.config import SquadConfig  # noqa: E402
 from bertpipe.jobs.squad.data import read_squad  # noqa: E402
 from bertpipe.jobs.squad.features import build_features  # noqa: E402
 from bertpipe.jobs.squad.predict import predict_answers  # noqa: E402
-from bertpipe.jobs.squad.trial import SquadData, run_squad_trial, score_predictions  # noqa: E402
+from bertpipe.jobs.squad.trial import SquadData, SquadTask, score_predictions  # noqa: E402
+from bertpipe.jobs.tuning.conll import read_conll, to_iob2  # noqa: E402
+from bertpipe.jobs.tuning.conlleval import score as conll_score  # noqa: E402
+from bertpipe.jobs.tuning.inputs import load_tokenizer  # noqa: E402
+from bertpipe.jobs.tuning.loop import pad_rows, run_trial  # noqa: E402
+from bertpipe.jobs.tuning.words import build_rows  # noqa: E402
 from bertpipe.model.bert import IGNORE_INDEX  # noqa: E402
 
 SHARED = REPO.parent / "shared" / "data"
@@ -121,6 +121,14 @@ def hf_outputs(net, rows: list[dict], batch_size: int) -> list[tuple]:
     return out
 
 
+def squad_ours(model: Path, data: SquadData, lr: float, seed: int, cfg: SquadConfig) -> dict:
+    return run_trial(model, SquadTask(data), lr, seed, cfg).metrics
+
+
+def ner_ours(model: Path, data: NerData, lr: float, seed: int, cfg: NerConfig) -> dict:
+    return run_trial(model, NerTask(data), lr, seed, cfg).metrics
+
+
 def squad_hf(model: Path, data: SquadData, lr: float, seed: int, cfg: SquadConfig) -> dict:
     from transformers import AutoModelForQuestionAnswering
 
@@ -173,7 +181,7 @@ def load(task: str, args) -> tuple:
         data = SquadData(train.examples, ev.examples, False)
         desc = (f"SQuAD v1.1 dev-v1.1.json: train articles {args.train_articles} ({len(train.examples)} questions, "
                 f"{args.max_train or 'all'} used), eval articles {args.eval_articles} ({len(ev.examples)} questions)")
-        return data, cfg, run_squad_trial, squad_hf, ("exact_match", "f1"), desc
+        return data, cfg, squad_ours, squad_hf, ("exact_match", "f1"), desc
     train, ev = read_conll(str(SHARED / "conll2003" / "train.txt")), read_conll(str(SHARED / "conll2003" / "valid.txt"))
     cfg = NerConfig(max_seq_length=args.seq, batch_size=args.batch, num_epochs=args.epochs,
                     cpus_per_trial=args.threads, max_train_examples=args.max_train)
@@ -181,7 +189,7 @@ def load(task: str, args) -> tuple:
     data = NerData(train.sentences, ev_sents, cfg.labels)
     desc = (f"CoNLL-2003: train.txt ({len(train.sentences)} sentences, {args.max_train or 'all'} used), "
             f"valid.txt ({len(ev_sents)} sentences)")
-    return data, cfg, run_ner_trial, ner_hf, ("precision", "recall", "f1"), desc
+    return data, cfg, ner_ours, ner_hf, ("precision", "recall", "f1"), desc
 
 
 def mean_sd(xs: list[float]) -> str:
@@ -215,8 +223,7 @@ def main() -> None:
     for seed in seeds:  # alternate the sides so a busy spell on the machine hits both
         for side in sides:
             c0, t0 = cpu_seconds(), time.perf_counter()
-            metrics = (ours(model, data, args.lr, seed, cfg).metrics if side == "ours"
-                       else theirs(model, data, args.lr, seed, cfg))
+            metrics = (ours if side == "ours" else theirs)(model, data, args.lr, seed, cfg)
             wall = time.perf_counter() - t0
             for k, v in (("m", metrics), ("wall", wall), ("cpu", cpu_seconds() - c0)):
                 sides[side][k].append(v)

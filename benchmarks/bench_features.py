@@ -23,12 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bertpipe.jobs.downstream.training import load_tokenizer  # noqa: E402
 from bertpipe.jobs.features.bilstm import train_bilstm  # noqa: E402
 from bertpipe.jobs.features.config import FeaturesConfig  # noqa: E402
 from bertpipe.jobs.features.extract import load_encoder, word_features  # noqa: E402
 from bertpipe.jobs.ner.config import NerConfig  # noqa: E402
-from bertpipe.jobs.ner.conll import format_predictions, read_conll  # noqa: E402
+from bertpipe.jobs.tuning.conll import format_predictions, read_conll  # noqa: E402
+from bertpipe.jobs.tuning.inputs import load_tokenizer  # noqa: E402
 from bertpipe.pipeline.stage import StageContext, StageInput  # noqa: E402
 
 CONLL = REPO.parent / "shared" / "data" / "conll2003"
@@ -98,7 +98,8 @@ def main() -> None:
     t0 = time.perf_counter()
     eval_x = plain_loop(model, [s.words for s in valid], args.mode, args.batch, args.actors)
     loop_wall = time.perf_counter() - t0
-    print(f"extraction, {Path(valid_path).name} ({len(valid)} sentences, {pieces} WordPieces with [CLS]/[SEP]), {args.mode}:")
+    print(f"extraction, {Path(valid_path).name} ({len(valid)} sentences, {pieces} WordPieces with [CLS]/[SEP]), "
+          f"{args.mode}:")
     print("| side | wall s | WordPieces/s |\n|---|---|---|")
     print(f"| features stage (Ray Data, {args.actors} actors x 1 CPU) | {ray_wall:.1f} | {pieces / ray_wall:.0f} |")
     print(f"| plain loop ({args.actors} torch threads) | {loop_wall:.1f} | {pieces / loop_wall:.0f} |")

@@ -120,7 +120,7 @@ def main() -> None:
             results.setdefault(f"end to end through Ray Data ({args.cpus} CPUs)", {})[L] = end_to_end(
                 files, L, micro, P, vocab)
     ray.shutdown()
-    print(f"\nOne worker's feed, sequences/s (micro 256 at seq 128, 64 at 512); target ≥ 3,000 at 128")
+    print("\nOne worker's feed, sequences/s (micro 256 at seq 128, 64 at 512); target ≥ 3,000 at 128")
     print("| stage | seq 128 | seq 512 |\n|---|---|---|")
     for name, by_len in results.items():
         print(f"| {name} | {by_len[128]:,.0f} | {by_len[512]:,.0f} |")

@@ -36,10 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bertpipe.jobs.finetune.config import FinetuneConfig  # noqa: E402
-from bertpipe.jobs.finetune.trial import TrialParams, run_trial  # noqa: E402
-from bertpipe.jobs.finetune.glue_metrics import compute_metrics, task_score  # noqa: E402
-from bertpipe.jobs.finetune.glue_tasks import TASKS, TaskData, read_task  # noqa: E402
+from bertpipe.jobs.glue.config import FinetuneConfig  # noqa: E402
+from bertpipe.jobs.glue.metrics import compute_metrics, task_score  # noqa: E402
+from bertpipe.jobs.glue.tasks import TASKS, TaskData, read_task  # noqa: E402
+from bertpipe.jobs.glue.trial import GlueTask  # noqa: E402
+from bertpipe.jobs.tuning.loop import run_trial  # noqa: E402
 
 GLUE = REPO.parent / "shared" / "data" / "glue"
 
@@ -69,9 +70,9 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_ours(model: Path, data: TaskData, p: TrialParams) -> tuple[float, float]:
+def run_ours(model: Path, data: TaskData, recipe: FinetuneConfig, lr: float, seed: int) -> tuple[float, float]:
     t0 = time.perf_counter()
-    r = run_trial(model, data, p)
+    r = run_trial(model, GlueTask(data), lr, seed, recipe)
     return r.score, time.perf_counter() - t0
 
 
@@ -83,47 +84,49 @@ def hf_data_seed(seed: int) -> int:
     return 1_000_003 * seed
 
 
-def hf_training_args(p: TrialParams, output_dir: str, warmup_steps: int, shared_orders: bool = False):
-    """The Trainer's arguments for trial `p`: our recipe's hyper-parameters, with independent data orders
-    (`shared_orders`: the Trainer's default data seed instead, for the control run)."""
+def hf_training_args(recipe: FinetuneConfig, lr: float, seed: int, output_dir: str, warmup_steps: int,
+                     shared_orders: bool = False):
+    """The Trainer's arguments for the trial (`lr`, `seed`): our recipe's hyper-parameters, with independent data
+    orders (`shared_orders`: the Trainer's default data seed instead, for the control run)."""
     from transformers import TrainingArguments
 
-    r = p.recipe
+    r = recipe
     return TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=r.batch_size, per_device_eval_batch_size=r.eval_batch_size,
-        learning_rate=p.learning_rate, num_train_epochs=r.num_epochs, warmup_steps=warmup_steps,
+        learning_rate=lr, num_train_epochs=r.num_epochs, warmup_steps=warmup_steps,
         weight_decay=r.weight_decay, adam_epsilon=r.adam_epsilon, max_grad_norm=r.max_grad_norm,
-        lr_scheduler_type="linear", seed=p.seed, data_seed=None if shared_orders else hf_data_seed(p.seed),
+        lr_scheduler_type="linear", seed=seed, data_seed=None if shared_orders else hf_data_seed(seed),
         use_cpu=True, report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
         dataloader_num_workers=0, disable_tqdm=True)
 
 
-def run_hf(model: Path, data: TaskData, p: TrialParams, shared_orders: bool = False) -> tuple[float, float]:
+def run_hf(model: Path, data: TaskData, recipe: FinetuneConfig, lr: float, seed: int,
+           shared_orders: bool = False) -> tuple[float, float]:
     import math
 
     from transformers import AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding, Trainer, set_seed
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    torch.set_num_threads(p.num_threads)
+    torch.set_num_threads(recipe.cpus_per_trial)
     spec = data.spec
     t0 = time.perf_counter()
     # As our trial seeds torch before building its model: otherwise the head init would come from whatever
     # state the global RNG was left in (the Trainer seeds only after the model exists).
-    set_seed(p.seed)
+    set_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(model))
     net = BertForSequenceClassification.from_pretrained(str(model), num_labels=spec.num_labels)
 
     def features(ex):
-        enc = tok(ex.text_a, ex.text_b, truncation="longest_first", max_length=p.recipe.max_seq_length)
+        enc = tok(ex.text_a, ex.text_b, truncation="longest_first", max_length=recipe.max_seq_length)
         rows = [{k: enc[k][i] for k in ("input_ids", "token_type_ids", "attention_mask")} for i in range(len(ex))]
         for row, y in zip(rows, ex.labels):
             row["labels"] = float(y) if spec.is_regression else int(y)
         return rows
 
-    total = math.ceil(len(data.train) / p.recipe.batch_size) * p.recipe.num_epochs
+    total = math.ceil(len(data.train) / recipe.batch_size) * recipe.num_epochs
     with tempfile.TemporaryDirectory() as out:
-        args = hf_training_args(p, out, int(total * p.recipe.warmup_proportion), shared_orders)
+        args = hf_training_args(recipe, lr, seed, out, int(total * recipe.warmup_proportion), shared_orders)
         trainer = Trainer(model=net, args=args, train_dataset=features(data.train),
                           data_collator=DataCollatorWithPadding(tok, pad_to_multiple_of=8))
         trainer.train()
@@ -135,23 +138,28 @@ def run_hf(model: Path, data: TaskData, p: TrialParams, shared_orders: bool = Fa
     return task_score(metrics), time.perf_counter() - t0
 
 
-def fanout(model: Path, data: TaskData, p: TrialParams, concurrency: int) -> float:
+def fanout(model: Path, data: TaskData, recipe: FinetuneConfig, seed: int, concurrency: int) -> float:
     """Wall time of 4 trials (4 learning rates) on a 2-CPU local Ray, `concurrency` at a time, 1 CPU each."""
-    import ray
-
-    from bertpipe.jobs.finetune.report import TaskOutcome
-    from bertpipe.jobs.finetune.stage import Trial, read_model_files, run_trials
     from bertpipe.jobs.tracking import RunLogger
+    from bertpipe.jobs.tuning.fanout import Trial, run_all
+    from bertpipe.jobs.tuning.inputs import read_model_files
+    from bertpipe.pipeline import parts, storage
 
-    cfg = dataclasses.replace(p.recipe, cpus_per_trial=1, max_concurrent_trials=concurrency)
-    files, ref = ray.put(read_model_files(str(model))), ray.put(data)
-    outcome = TaskOutcome(data.spec, "ok")
-    trials = [Trial(f"lr={lr}", outcome, RunLogger(None), dataclasses.replace(p, learning_rate=lr, recipe=cfg), "",
-                    files, ref) for lr in (5e-5, 4e-5, 3e-5, 2e-5)]
-    t0 = time.perf_counter()
-    results = run_trials(trials, cfg)
-    assert not any(isinstance(r, BaseException) for r in results), results
-    return time.perf_counter() - t0
+    cfg = dataclasses.replace(recipe, cpus_per_trial=1, max_concurrent_trials=concurrency)
+    files, task = read_model_files(str(model)), GlueTask(data)
+    with tempfile.TemporaryDirectory(prefix="bench-fanout-") as stage_uri:
+        # The stage's own trials are planned from a StageContext (jobs/tuning/fanout.plan): here the same trials
+        # directly, each with its part and the folder it writes its fine-tuned model to, no MLflow run.
+        trials = []
+        for i, lr in enumerate((5e-5, 4e-5, 3e-5, 2e-5)):
+            part = parts.part_path(f"t{i}")
+            trials.append(Trial(data.spec.name, lr, seed, seed, RunLogger(None), part, "bench",
+                                storage.join(stage_uri, *part.split("/"), "model")))
+        t0 = time.perf_counter()
+        run_all("finetune", trials, {data.spec.name: task}, files, cfg, stage_uri)
+        wall = time.perf_counter() - t0
+    assert not any(isinstance(t.result, BaseException) for t in trials), [t.result for t in trials]
+    return wall
 
 
 def mean_sd(scores: list[float]) -> str:
@@ -178,16 +186,15 @@ SIDES = (("ours", run_ours), ("hf", run_hf))
 CONTROL = (("hf", partial(run_hf, shared_orders=True)),)  # --hf-shared-orders: the Trainer alone, its default seeding
 
 
-def run_task(model: Path, data: TaskData, p: TrialParams, seeds: list[int],
+def run_task(model: Path, data: TaskData, recipe: FinetuneConfig, lr: float, seeds: list[int],
              runners=SIDES) -> dict[str, tuple[list, list, list]]:
     """Each side once per seed, alternating so that a busy spell on the machine hits both: side → (scores, wall
     s, CPU s)."""
     sides: dict[str, tuple[list, list, list]] = {"ours": ([], [], []), "hf": ([], [], [])}
     for seed in seeds:
-        ps = dataclasses.replace(p, seed=seed)
         for side, fn in runners:
             c0 = cpu_seconds()
-            score, wall = fn(model, data, ps)
+            score, wall = fn(model, data, recipe, lr, seed)
             for acc, v in zip(sides[side], (score, wall, cpu_seconds() - c0)):
                 acc.append(v)
             print(f"  {data.spec.name} seed {seed} {side}: {100 * score:.2f} ({wall:.1f} s)", flush=True)
@@ -223,16 +230,15 @@ def main() -> None:
         sys.exit(f"real GLUE data not found at {GLUE}")
     model = minilm_dir()
     seeds = list(range(1, args.num_seeds + 1)) if args.num_seeds else [int(s) for s in args.seeds.split(",")]
-    p = TrialParams(learning_rate=args.lr, seed=seeds[0],
-                    recipe=FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads, eval_each_epoch=False,
-                                          max_seq_length=args.max_seq_length, batch_size=args.batch_size))
+    recipe = FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads, eval_each_epoch=False,
+                            max_seq_length=args.max_seq_length, batch_size=args.batch_size)
     print(f"model {model}\n{args.train} train examples (subsample seed {args.subsample_seed}), {args.epochs} epoch(s), "
           f"lr {args.lr}, batch {args.batch_size}, seq {args.max_seq_length}, seeds {seeds}, {args.threads} torch "
           f"threads, torch {torch.__version__}")
     rows, per_seed = [], []
     for name in filter(None, args.tasks.split(",")):  # --tasks "" runs the fan-out alone
         data = subsample(read_task(str(GLUE), TASKS[name], with_test=False), args.train, args.subsample_seed, args.dev)
-        sides = run_task(model, data, p, seeds, CONTROL if args.hf_shared_orders else SIDES)
+        sides = run_task(model, data, recipe, args.lr, seeds, CONTROL if args.hf_shared_orders else SIDES)
         if args.hf_shared_orders:
             scores = sides["hf"][0]
             print(f"{name} HF, shared orders: {mean_sd(scores)}: {' '.join(f'{100 * x:.2f}' for x in scores)}")
@@ -259,10 +265,10 @@ def main() -> None:
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     try:
         data = subsample(read_task(str(GLUE), TASKS["MRPC"], with_test=False), args.fanout_train, args.subsample_seed)
-        fanout(model, data, p, 1)  # warm-up: start the workers, import torch there
+        fanout(model, data, recipe, seeds[0], 1)  # warm-up: start the workers, import torch there
         for c in (1, 2):
             print(f"fan-out: 4 MRPC trials ({args.fanout_train} train rows each, 1 CPU / 1 thread per trial), "
-                  f"{c} concurrent: {fanout(model, data, p, c):.1f} s", flush=True)
+                  f"{c} concurrent: {fanout(model, data, recipe, seeds[0], c):.1f} s", flush=True)
     finally:
         ray.shutdown()
 

@@ -10,7 +10,7 @@ by wrapping the `dist.all_reduce` our optimizer module calls. Medians over steps
 
 Measured once on the 2-core development machine, no GPU, other jobs running (load average ~30), defaults:
 
-| optimizer | step (fwd+bwd+opt) s | optimizer step s | norm all-reduce ms | all-reduces/step | all-reduce share of step |
+| optimizer | step (fwd+bwd+opt) s | optimizer step s | norm all-reduce ms | all-reduces/step | all-reduce share |
 |---|---|---|---|---|---|
 | lamb | 1.455 | 0.276 | 35.76 | 1 | 2.46% |
 | adamw | 1.360 | 0.175 | 0.00 | 0 | 0.00% |
@@ -131,7 +131,7 @@ def main() -> None:
     print(f"\nBERT-{args.preset}, ZeRO 1, 2 CPU workers (gloo), micro-batch {args.micro} × seq {args.seq}, "
           f"{len(rows['lamb'])} timed steps each (medians, rank 0)\n")
     print("| optimizer | step (fwd+bwd+opt) s | optimizer step s | norm all-reduce ms | all-reduces/step "
-          "| all-reduce share of step |")
+          "| all-reduce share |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         step, opt, red = (statistics.median(x[i] for x in r) for i in range(3))

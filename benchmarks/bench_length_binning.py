@@ -2,8 +2,8 @@
 
 Builds clean → vocab → pairs from the real enwiki sample (the tiny preset's data settings: dupe_factor 2, both
 sequence lengths) unless `--pairs DIR` names a committed pairs folder, then, per sequence length, cuts the train
-rows into micro-batches in shard order (a) as they come and (b) length-binned (`jobs/length_binning.py`, the
-pre-training default window), and reports the share of padded slots and the time of forward + backward + AdamW
+rows into micro-batches in shard order (a) as they come and (b) length-binned (`jobs/pretrain/length_binning.py`,
+the pre-training default window), and reports the share of padded slots and the time of forward + backward + AdamW
 on the same rows, the two sides interleaved batch by batch so a busy spell on the machine hits both.
 
     python benchmarks/bench_length_binning.py [--preset mini] [--batches 24] [--window 8] [--threads 2]

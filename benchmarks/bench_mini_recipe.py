@@ -70,7 +70,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=Path, required=True)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=240)
-    ap.add_argument("--schedule-steps", type=int, default=0, help="length of the warmup/decay schedule (default --steps)")
+    ap.add_argument("--schedule-steps", type=int, default=0,
+                    help="length of the warmup/decay schedule (default --steps)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=100)

@@ -238,11 +238,13 @@ def load_corpus(clean_dir: str | None, tmp: Path) -> tuple[list[str], str, str]:
     """(texts, description, clean folder for the Ray stage); without --clean the sample is written under `tmp`."""
     if clean_dir:
         files = sorted(Path(clean_dir).glob("*.parquet"))
-        return [t for f in files for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()], clean_dir, clean_dir
+        texts = [t for f in files for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
+        return texts, clean_dir, clean_dir
     from _clean_docs import crude_docs, write_clean_folder
+    from bertpipe.pipeline.config import SAMPLE_DUMP
     from bertpipe.pipeline.sample import fetch_sample
 
-    dump = fetch_sample(REPO / "data" / "sample")["enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"]
+    dump = fetch_sample(REPO / "data" / "sample")[Path(SAMPLE_DUMP).name]
     docs = crude_docs(dump)
     folder = write_clean_folder(docs, tmp / "clean")
     return [d["text"] for d in docs], f"{dump.name} (crude regex clean)", str(folder)
@@ -278,9 +280,10 @@ def time_ray_stage(clean_dir: str, vocab: str, seq: int, dupe: int, tmp: Path) -
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     init_s = time.perf_counter() - t0
     try:
-        ctx = StageContext(name="pairs", output_uri=str(tmp / "pairs"), config={"pairs": PairsConfig(max_seq_lengths=(seq,), dupe_factor=dupe)},
-                           seed=12345, inputs={"clean": StageInput("clean", clean_dir, {}),
-                                               "vocab": StageInput("vocab", vocab, {})})
+        config = {"pairs": PairsConfig(max_seq_lengths=(seq,), dupe_factor=dupe)}
+        ctx = StageContext(name="pairs", output_uri=str(tmp / "pairs"), config=config, seed=12345,
+                           inputs={"clean": StageInput("clean", clean_dir, {}),
+                                   "vocab": StageInput("vocab", vocab, {})})
         t0 = time.perf_counter()
         result = pairs.run_stage(ctx)
         stage_s = time.perf_counter() - t0
@@ -309,7 +312,8 @@ def main() -> None:
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
     texts, source, clean_dir = load_corpus(args.clean, tmp)
-    corpus_tokens = sum(len(e.ids) for e in make_tokenizer(args.vocab, True).encode_batch(texts, add_special_tokens=False))
+    encodings = make_tokenizer(args.vocab, True).encode_batch(texts, add_special_tokens=False)
+    corpus_tokens = sum(len(e.ids) for e in encodings)
     seed = derive_seed(12345) % 2**31
 
     num_sent, same, tok_total, tok_same, mismatches = tokenizer_agreement(texts, args.vocab)
@@ -332,8 +336,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             cpu[k] = min(cpu[k], time.process_time() - c0)
             wall[k] = min(wall[k], time.perf_counter() - w0)
 
-    print(f"corpus: {source}: {len(texts)} documents, {corpus_tokens:,} tokens; seq {args.seq}, dupe_factor {args.dupe}; "
-          f"1 process, TOKENIZERS_PARALLELISM=false; best of {args.repeat} (round-robin)")
+    print(f"corpus: {source}: {len(texts)} documents, {corpus_tokens:,} tokens; seq {args.seq}, "
+          f"dupe_factor {args.dupe}; 1 process, TOKENIZERS_PARALLELISM=false; best of {args.repeat} (round-robin)")
     print(f"tokenizer agreement (a) vs Rust: {same:,}/{num_sent:,} sentences identical ({100 * same / num_sent:.2f}%), "
           f"{tok_same:,}/{tok_total:,} tokens in identical sentences ({100 * tok_same / max(tok_total, 1):.2f}%)")
     for sentence, ref_ids, rust_ids in mismatches:
@@ -348,9 +352,10 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
 
     if not args.no_ray:
         init_s, stage_s, m = time_ray_stage(clean_dir, args.vocab, args.seq, args.dupe, tmp)
-        print(f"Ray `pairs` stage (local Ray, {m['cpus']:.0f} CPUs, seq {args.seq}, dupe {args.dupe}, 8 shards + held-out): "
-              f"run_stage wall {stage_s:.1f} s (+ ray.init {init_s:.1f} s), {m['tokens']:,.0f} tokens, "
-              f"{m['tokens'] / stage_s:,.0f} tokens/s wall, {m[f'instances_seq{args.seq}']:,.0f} instances")
+        print(f"Ray `pairs` stage (local Ray, {m['cpus']:.0f} CPUs, seq {args.seq}, dupe {args.dupe}, "
+              f"8 shards + held-out): run_stage wall {stage_s:.1f} s (+ ray.init {init_s:.1f} s), "
+              f"{m['tokens']:,.0f} tokens, {m['tokens'] / stage_s:,.0f} tokens/s wall, "
+              f"{m[f'instances_seq{args.seq}']:,.0f} instances")
 
 
 if __name__ == "__main__":

@@ -48,13 +48,15 @@ def main() -> None:
             binning = {} if args.length_bin_window is None else {"length_bin_window": args.length_bin_window}
             cfg = tiny_config(max_steps=args.steps, zero_stage=stage, log_every_steps=10, **binning,
                               checkpoint_every_steps=10**6, eval_max_batches=1,
-                              phases=(PhaseConfig(max_seq_length=args.seq, max_predictions_per_seq=max(1, args.seq * 20 // 128),
+                              phases=(PhaseConfig(max_seq_length=args.seq,
+                                                  max_predictions_per_seq=max(1, args.seq * 20 // 128),
                                                   global_batch_size=per_step, micro_batch_size=args.micro,
                                                   learning_rate=1e-3, warmup_steps=5),))
             ctx = context(root, inputs, cfg, model=ModelConfig(preset=args.preset), output=f"out{stage}",
                           tracking={"tracking_uri": client.tracking_uri, "run_id": run.info.run_id})
             run_stage(ctx)
-            hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)][1:]
+            hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k),
+                                                key=lambda m: m.step)][1:]
                     for k in ("sequences_per_second", "tokens_per_second", "data_wait_fraction", "padding_fraction")}
             rows.append((stage, *(sum(v) / max(len(v), 1) for v in hist.values())))
     ray.shutdown()

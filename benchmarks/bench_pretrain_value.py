@@ -9,10 +9,10 @@ an earlier budget of the same run (the `mini` preset keeps every checkpoint; `po
 step), exported with the first export's config and vocabulary. The random-initialised
 model takes the first export's config.json and vocabulary, its weights drawn with the trial's seed (BERT's
 truncated-normal 0.02 init, as pre-training starts from). Every arm runs the project's own fine-tuning trial
-(jobs/finetune/trial.py) with identical hyper-parameters, training subset and seed. The table gives the dev
-score (x100: SST-2 accuracy, MRPC mean of F1 and accuracy, CoLA Matthews correlation, STS-B mean of Pearson and
-Spearman) as mean +/- sd over seeds, and whether each export is ahead of random init by more than the pooled sd
-(sqrt((sd_a^2 + sd_b^2) / 2)). Needs the GLUE folders in ../shared/data/glue (or --glue).
+(jobs/tuning/loop.py on jobs/glue/trial.py's GlueTask) with identical hyper-parameters, training subset and seed.
+The table gives the dev score (x100: SST-2 accuracy, MRPC mean of F1 and accuracy, CoLA Matthews correlation,
+STS-B mean of Pearson and Spearman) as mean +/- sd over seeds, and whether each export is ahead of random init by
+more than the pooled sd (sqrt((sd_a^2 + sd_b^2) / 2)). Needs the GLUE folders in ../shared/data/glue (or --glue).
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bertpipe.jobs.finetune.config import FinetuneConfig  # noqa: E402
-from bertpipe.jobs.finetune.glue_tasks import TASKS, read_task  # noqa: E402
-from bertpipe.jobs.finetune.trial import TrialParams, run_trial  # noqa: E402
+from bertpipe.jobs.glue.config import FinetuneConfig  # noqa: E402
+from bertpipe.jobs.glue.tasks import TASKS, read_task  # noqa: E402
+from bertpipe.jobs.glue.trial import GlueTask  # noqa: E402
+from bertpipe.jobs.tuning.loop import run_trial  # noqa: E402
 
 GLUE = REPO.parent / "shared" / "data" / "glue"
 RANDOM = "random"
@@ -76,16 +77,15 @@ def run_all(args, exports: dict[str, Path]) -> dict[str, dict[str, list[float]]]
     with tempfile.TemporaryDirectory() as tmp:
         randoms = {s: random_init_dir(first, s, Path(tmp)) for s in args.seeds}
         for task in args.tasks:
-            data = read_task(str(args.glue), TASKS[task], with_test=False)
+            data = GlueTask(read_task(str(args.glue), TASKS[task], with_test=False))
             scores[task] = {}
             for arm, model_dir in [(RANDOM, None), *exports.items()]:
                 for seed in args.seeds:
-                    p = TrialParams(learning_rate=args.lr, seed=seed, recipe=recipe)
                     t0 = time.perf_counter()
-                    r = run_trial(randoms[seed] if model_dir is None else model_dir, data, p)
+                    r = run_trial(randoms[seed] if model_dir is None else model_dir, data, args.lr, seed, recipe)
                     scores[task].setdefault(arm, []).append(100 * r.score)
                     print(f"  {task:6s} {arm:>10s} seed {seed}: {100 * r.score:6.2f}  "
-                          f"({r.num_train_examples} train, {time.perf_counter() - t0:.0f} s)", flush=True)
+                          f"({r.num_train} train, {time.perf_counter() - t0:.0f} s)", flush=True)
     return scores
 
 

@@ -70,6 +70,13 @@ def make_batch(config: BertConfig, batch: int, seq: int, max_pred: int, device: 
 
 
 def time_impl(name: str, config: BertConfig, args, data) -> dict:
+    result = _measure(name, config, args, data)  # its model and optimizer are freed when it returns
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _measure(name: str, config: BertConfig, args, data) -> dict:
     ids, tt, am, positions, labels, nsp, full_labels = data
     torch.manual_seed(0)
     if name.startswith("ours"):
@@ -108,9 +115,6 @@ def time_impl(name: str, config: BertConfig, args, data) -> dict:
     sync(args.device)
     step_s = (time.perf_counter() - t0) / args.steps
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
-    del model, optimizer
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
     return dict(impl=name, step_s=step_s, loss=float(loss), peak_gb=peak_gb)
 
 

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from bertpipe.pipeline import storage
+
 T = TypeVar("T")
 YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
 
@@ -176,7 +178,7 @@ def stable_hash(obj: Any) -> str:
 
 def absolute(value: str, base: str) -> str:
     """A URI (s3://, gs://, https://, file://) or "" unchanged; a local path made absolute against `base`."""
-    if not value or "://" in value:
+    if not value or storage.is_remote(value):
         return value
     return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 

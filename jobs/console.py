@@ -1,12 +1,17 @@
 """What `bertpipe run` prints: the project's own lines only (library chatter goes to the log file unless
 --verbose). A header saying what runs where, `[stage k/N]` lines, live progress (pipeline/progress.py), and at the
-end the summary table and the GLUE table."""
+end the summary table, the GLUE table and where everything is (jobs/next_steps.py). Commands it prints work as
+printed in the shell that ran `bertpipe` (`tool`)."""
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
+from pathlib import Path
 from typing import Any
 
+from bertpipe.pipeline import progress, storage
 from bertpipe.pipeline.redact import mask
 
 log = logging.getLogger("bertpipe")
@@ -15,7 +20,37 @@ log = logging.getLogger("bertpipe")
 def say(text: str = "") -> None:
     text = mask(text)  # every console line passes here: a tracking URI's password never reaches the terminal
     print(text, flush=True)
+    progress.printed()  # the console spoke: the heartbeat's silence starts again
     log.debug("console: %s", text)
+
+
+def tool(name: str) -> str:
+    """How to type `name`, a command installed beside this Python (bertpipe, mlflow), in the shell that ran
+    bertpipe: the bare name when that shell finds this one on its PATH, else its path (relative when it lies under
+    the current directory: `.venv/bin/mlflow` after `make run`, whose venv is not on PATH)."""
+    here = Path(sys.executable).parent / name
+    if not here.exists():
+        return name
+    found = shutil.which(name)
+    try:
+        if found and os.path.samefile(found, here):
+            return name
+    except OSError:
+        pass
+    try:
+        return str(here.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
+
+
+def where(path: str) -> str:
+    """A local path as short as it can be typed: relative to the current directory when it lies under it."""
+    if storage.is_remote(path):
+        return path
+    try:
+        return str(Path(path).relative_to(Path.cwd())) or "."
+    except ValueError:
+        return path
 
 
 def header(cfg, config_name: str, tracking_uri: str, selected: list[str], log_path: str) -> None:
@@ -23,10 +58,10 @@ def header(cfg, config_name: str, tracking_uri: str, selected: list[str], log_pa
     say(f"  workdir   {cfg.workdir}")
     say(f"  stages    {' → '.join(selected)}")
     if tracking_uri.startswith("sqlite:"):
-        say(f"  mlflow    {tracking_uri}   (open: mlflow ui --backend-store-uri {tracking_uri})")
+        say(f"  mlflow    {tracking_uri}   (open: {tool('mlflow')} ui --backend-store-uri {tracking_uri})")
     elif tracking_uri:
         say(f"  mlflow    {tracking_uri}")
-    elif "://" in cfg.workdir and cfg.mlflow.tracking_uri != "off":
+    elif storage.is_remote(cfg.workdir) and cfg.mlflow.tracking_uri != "off":
         say("  mlflow    OFF: the workdir is remote, so there is no local store to default to; "
             "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server to track this run")
     else:
@@ -44,13 +79,22 @@ def stage(index: int, total: int, name: str, what: str) -> None:
     say(f"[stage {index}/{total}] {name}: {what}")
 
 
+def amount(rows: int | None, unit: str) -> str:
+    """A stage's output in its own unit: `97 documents`, `8,192 vocabulary entries`, `40 steps`."""
+    if rows is None:
+        return "-"
+    return f"{rows:,} {unit}"
+
+
 def summary(rows: list[dict[str, Any]]) -> None:
-    """One line per stage: name, ran / skipped, rows, seconds (the lines tests and CI parse)."""
+    """One line per stage: name, ran / skipped, its output in its own unit, seconds (the lines tests and CI parse:
+    the first two words of a line that starts with a stage name)."""
     say()
-    say(f"{'stage':<9} {'status':<8} {'rows':>9}  time")
+    width = max([len("output")] + [len(amount(r["rows"], r.get("unit", "rows"))) for r in rows])
+    say(f"{'stage':<9} {'status':<8} {'output':>{width}}  time")
     for row in rows:
         took = f"{row['seconds']:.1f} s" if row.get("seconds") is not None else "fresh"
-        say(f"{row['stage']:<9} {row['action']:<8} {row['rows'] if row['rows'] is not None else '-':>9}  {took}")
+        say(f"{row['stage']:<9} {row['action']:<8} {amount(row['rows'], row.get('unit', 'rows')):>{width}}  {took}")
 
 
 def glue_table(markdown: str) -> None:
@@ -61,3 +105,4 @@ def glue_table(markdown: str) -> None:
 
 def error(text: str) -> None:
     print(f"bertpipe: {mask(text)}", file=sys.stderr, flush=True)
+    progress.printed()

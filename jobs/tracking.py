@@ -4,6 +4,11 @@ Everything goes through an explicit `MlflowClient(tracking_uri)`, never the flue
 coordinates ({tracking_uri, experiment_id, run_id}) can be handed to Ray tasks and Train workers, which log into
 their run themselves with a `RunLogger`. A workflow run is one parent run, one nested run per stage; fine-tuning
 nests a run per GLUE task and one per trial below its stage run.
+
+Metric names follow one convention (below, `EVAL` ... `SYSTEM`), made for how MLflow's UI draws a run: it groups
+the charts by the part of the name before the last "/", sections in alphabetical order, then the names without a
+"/" (its "Model metrics"), "system/" in a tab of its own; charts within a section in alphabetical order too. A
+metric whose last step is 0 is drawn as a bar (one value), one logged at steps >= 1 as a line over the steps.
 """
 from __future__ import annotations
 
@@ -28,6 +33,61 @@ PARAM_BATCH, METRIC_BATCH = 100, 1000  # MLflow's log_batch limits
 SERVER_CHECK_TIMEOUT_S = 5.0  # `check_server`: a tracking server that has not answered by then is not usable
 log = logging.getLogger(__name__)
 
+# The metric-name convention. Series (logged at steps >= 1, lines):
+EVAL = "eval/"                    # held-out figures, first section: eval/mlm_accuracy, eval/nsp_accuracy, eval/mlm_loss
+TRAIN = "train/"                  # a logging window's training figures: train/loss (its section's first chart), ...
+OPTIMIZER = "train/optimizer/"    # train/optimizer/lr, train/optimizer/grad_norm
+THROUGHPUT = "train/throughput/"  # speed and feeding, steady windows only (no compile, start-up or phase switch)
+SYSTEM = "system/"                # CPU, memory, GPU: MLflow's own system-metrics monitor
+# Summary figures (one value per run) carry no prefix and are logged at step 0: bars, after the series.
+# Accuracies, fractions and scores are fractions in [0, 1] everywhere, never percent.
+OPTIMIZER_FIGURES = ("lr", "grad_norm")
+THROUGHPUT_FIGURES = ("sequences_per_second", "tokens_per_second", "examples_per_second", "data_wait_fraction",
+                      "padding_fraction")
+# What the UI shows for the experiment (its description: the tag `mlflow.note.content`, Markdown).
+EXPERIMENT_DESCRIPTION = """\
+**bertpipe**: BERT pre-training from a Wikipedia dump (clean → vocab → pairs → pretrain), then fine-tuning on GLUE
+(and on request SQuAD, CoNLL-2003 NER).
+
+* One **workflow run** per `bertpipe run`, named `<config> #<n> · <date time>`: its tags name the config, the git
+  commit and the outcome; its metrics are the headline figures (`pretrain/...`, `glue/...`) to compare runs by.
+* Below it one **stage run** per stage (named by the stage): params = the stage's config, its manifest as an
+  artifact. Fine-tuning nests a run per task and per trial.
+* Metric sections: `eval/` held-out figures, `train/` training figures per logging window, `train/optimizer/`,
+  `train/throughput/` (steady windows only), `system/`; figures without a prefix are one value per run.
+  Accuracies are fractions in [0, 1].
+* The pre-trained model is registered as `bertpipe-<config>` (alias `newest`: the latest version).
+"""
+EXPERIMENT_TAGS = {"mlflow.note.content": EXPERIMENT_DESCRIPTION,
+                   # MLflow 3 asks what an experiment is for (GenAI or model training): this is model training.
+                   "mlflow.experimentKind": "custom_model_development"}
+MODEL_ALIAS = "newest"  # MLflow reserves "latest"
+PARAM_DIGITS = 6  # significant digits of a float written as a param or tag
+
+
+def metric_name(figure: str) -> str:
+    """A training figure's MLflow name under the convention: eval_X → eval/X, lr and grad_norm →
+    train/optimizer/..., speed and feeding figures → train/throughput/..., anything else → train/..."""
+    if figure.startswith("eval_"):
+        return EVAL + figure[len("eval_"):]
+    if figure in OPTIMIZER_FIGURES:
+        return OPTIMIZER + figure
+    if figure in THROUGHPUT_FIGURES:
+        return THROUGHPUT + figure
+    return TRAIN + figure
+
+
+def metric_names(figures: dict[str, Any]) -> dict[str, Any]:
+    return {metric_name(k): v for k, v in figures.items()}
+
+
+def param_text(value: Any) -> str:
+    """A param or tag value as people read it: floats to PARAM_DIGITS significant digits (0.0637, not
+    0.06369426751592357), anything else as str()."""
+    if isinstance(value, float) and math.isfinite(value):
+        return format(value, f".{PARAM_DIGITS}g")
+    return str(value)
+
 
 def _best_effort(call, *args) -> Any:
     """call(*args), or None when it raised (logged, with the traceback, into the run's log file only: the console
@@ -46,7 +106,7 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
         for key, value in data.items():
             out.update(flatten(value, f"{prefix}{key}."))
     else:
-        text = json.dumps(data) if isinstance(data, (list, tuple)) else str(data)
+        text = json.dumps(data) if isinstance(data, (list, tuple)) else param_text(data)
         out[prefix[:-1]] = text[:MAX_PARAM_CHARS]
     return out
 
@@ -123,11 +183,14 @@ class RunLogger:
         if self.active:
             self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
-    def log_export(self, export_dir: str, registered_name: str, hidden_size: int) -> str:
+    def log_export(self, export_dir: str, registered_name: str, hidden_size: int, description: str = "",
+                   version_description: str = "", version_tags: dict[str, str] | None = None) -> str:
         """Log an export folder (safetensors + config.json + vocab.txt) as an MLflow model of this run — code
-        (jobs/pretrain/pyfunc_model.py) plus the folder, no pickle — and register it under `registered_name`;
-        returns the model URI ("" when inactive). The fluent API is the only way MLflow logs models: it is
-        confined here, bound to this run and this tracking URI for the duration of the call."""
+        (jobs/pretrain/pyfunc_model.py) plus the folder, no pickle — and register it under `registered_name`: the
+        registered model gets `description` (when it has none: a user's own is kept), the new version
+        `version_description` and `version_tags`, and the alias MODEL_ALIAS moves to it. Returns the model URI
+        ("" when inactive). The fluent API is the only way MLflow logs models: it is confined here, bound to this
+        run and this tracking URI for the duration of the call."""
         if not self.active:
             return ""
         import mlflow
@@ -161,7 +224,24 @@ class RunLogger:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
             else:
                 os.environ["MLFLOW_TRACKING_URI"] = env
+        version = str(info.registered_model_version)
+        if description and not self.client.get_registered_model(registered_name).description:
+            self.client.update_registered_model(registered_name, description=description)
+        if version_description:
+            self.client.update_model_version(registered_name, version, description=version_description)
+        for key, value in (version_tags or {}).items():
+            self.client.set_model_version_tag(registered_name, version, key, mask(param_text(value)))
+        self.client.set_registered_model_alias(registered_name, MODEL_ALIAS, version)
         return info.model_uri
+
+    def tags(self) -> dict[str, str]:
+        """This run's tags ({} when inactive)."""
+        return dict(self.client.get_run(self.run_id).data.tags) if self.active else {}
+
+    def parent_tags(self) -> dict[str, str]:
+        """The tags of the run this one is nested in ({} when it is not nested, or inactive)."""
+        parent = self.tags().get("mlflow.parentRunId")
+        return dict(self.client.get_run(parent).data.tags) if parent else {}
 
     def system_metrics(self):
         """A started monitor of CPU / memory / GPU use logged into this run (`.finish()` it), or None."""
@@ -218,7 +298,9 @@ class RunLogger:
 
 def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config: dict[str, Any],
                        tags: dict[str, str], artifact_root: str | None = None) -> RunLogger:
-    """The parent run of a workflow (inactive when tracking_uri is empty: tracking off)."""
+    """The parent run of a workflow (inactive when tracking_uri is empty: tracking off). An empty `run_name` names
+    it `<config> #<n> · <date time>` (workflow_run_name). The experiment is created with its description
+    (EXPERIMENT_TAGS); an existing one gets the tags it lacks, and keeps a description of its own."""
     if not tracking_uri:
         return RunLogger(None)
     client = _client(tracking_uri)
@@ -228,14 +310,39 @@ def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config
         location = None
         if artifact_root and tracking_uri.startswith("sqlite:"):
             location = "file://" + artifact_root
-        experiment_id = client.create_experiment(experiment, artifact_location=location)
+        experiment_id = client.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_TAGS)
     else:
         experiment_id = exp.experiment_id
+        for key, value in EXPERIMENT_TAGS.items():
+            if not exp.tags.get(key):
+                client.set_experiment_tag(experiment_id, key, value)
+    config_name = tags.get("bertpipe.config", "custom")
+    run_name = run_name or workflow_run_name(config_name, _next_number(client, experiment_id, config_name))
     run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **mask_data(tags)})
     parent = RunLogger({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run.info.run_id})
     parent.log_params(config)
     parent.log_dict(config, "resolved_config.json")
     return parent
+
+
+def workflow_run_name(config_name: str, number: int, when: float | None = None) -> str:
+    """`tiny #3 · 2026-11-25 06:10`: the number first, so two runs differ in the part the runs table shows."""
+    return f"{config_name} #{number} · {time.strftime('%Y-%m-%d %H:%M', time.localtime(when))}"
+
+
+def _next_number(client, experiment_id: str, config_name: str) -> int:
+    """1 + the workflow runs of `config_name` in the experiment so far, deleted ones included (a number is never
+    given twice, unless two runs start at the same moment)."""
+    from mlflow.entities import ViewType
+
+    count, token = 0, None
+    while True:
+        page = client.search_runs([experiment_id], "tags.`bertpipe.kind` = 'workflow'", run_view_type=ViewType.ALL,
+                                  max_results=1000, page_token=token)
+        count += sum(r.data.tags.get("bertpipe.config") == config_name for r in page)
+        token = page.token
+        if not token:
+            return count + 1
 
 
 def kill_run_tree(tracking_uri: str, run_id: str) -> list[str]:

@@ -316,20 +316,21 @@ def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
-HEADLINE = {"pretrain": ("loss", "mlm_accuracy", "nsp_accuracy", "eval_mlm_accuracy", "eval_nsp_accuracy",
-                         "baseline_mlm_accuracy", "baseline_nsp_accuracy"),
-            "finetune": ("glue_score", "bert_paper_average")}
+# The workflow run's headline metrics, {stage: {manifest metric: MLflow name}}: one value each (step 0).
+HEADLINE = {"pretrain": {n: f"pretrain/{n}" for n in ("loss", "eval_mlm_accuracy", "eval_nsp_accuracy",
+                                                     "baseline_mlm_accuracy", "baseline_nsp_accuracy")},
+            "finetune": {"glue_score": "glue/score", "bert_paper_average": "glue/bert_paper_average"}}
 
 
 def headline_metrics(cfg: RootConfig) -> dict[str, float]:
-    """What two workflow runs are compared by, from the committed manifests: pre-training's final loss and
-    held-out accuracies, the best dev score of every GLUE task and the GLUE average."""
+    """What two workflow runs are compared by, from the committed manifests: pre-training's final loss, held-out
+    accuracies and their baselines, the best dev score of every GLUE task (glue/<task>) and the GLUE average."""
     out: dict[str, float] = {}
     for stage, names in HEADLINE.items():
         metrics = (read_manifest(stage_uri(cfg, stage)) or {}).get("metrics", {})
-        out.update({f"{stage}.{n}": metrics[n] for n in names if isinstance(metrics.get(n), (int, float))})
+        out.update({name: metrics[n] for n, name in names.items() if isinstance(metrics.get(n), (int, float))})
         if stage == "finetune":
-            out.update({f"glue.{k[4:]}": v for k, v in metrics.items() if k.startswith("dev.")})
+            out.update({f"glue/{k[4:]}": v for k, v in metrics.items() if k.startswith("dev.")})
     return out
 
 
@@ -347,12 +348,14 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     ending.reset()  # the console is this run's again (a failed run before it in this process had quieted it)
     # Runs that an earlier run of this workdir left RUNNING (its driver was killed) become KILLED; this run's own
     # id is recorded until it is closed, for the next run to do the same (jobs/run_record.py).
-    run_record.close_left_running(cfg.workdir, resolved_tracking_uri(cfg), lambda line: console.error(f"note: {line}"))
-    parent = start_workflow_run(resolved_tracking_uri(cfg), cfg.mlflow.experiment,
-                                cfg.mlflow.run_name or f"{name} {time.strftime('%Y-%m-%d %H:%M:%S')}",
-                                config_as_dict(cfg), {"bertpipe.stages": ",".join(selected),
-                                                      "bertpipe.config": name, **code},
-                                artifact_root=WorkdirPaths(cfg.workdir).mlflow_artifacts)
+    with progress.doing("mlflow: opening the tracking store (a new SQLite store first creates its tables)"):
+        run_record.close_left_running(cfg.workdir, resolved_tracking_uri(cfg),
+                                      lambda line: console.error(f"note: {line}"))
+        # An empty run name: "<config> #<n> · <date time>" (jobs/tracking.py workflow_run_name).
+        parent = start_workflow_run(resolved_tracking_uri(cfg), cfg.mlflow.experiment, cfg.mlflow.run_name,
+                                    config_as_dict(cfg), {"bertpipe.stages": ",".join(selected),
+                                                          "bertpipe.config": name, **code},
+                                    artifact_root=WorkdirPaths(cfg.workdir).mlflow_artifacts)
     if parent.active:
         run_record.remember(cfg.workdir, resolved_tracking_uri(cfg), parent.run_id)
     registered = cfg.mlflow.registered_model or f"bertpipe-{name}"
@@ -459,11 +462,13 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
         _after_failure(uri, run_id, exc)
         raise
     outputs.release(uri)
-    # Only the final figures the stage did not log into its run itself (no duplicate MLflow points).
+    # The stage's summary, one value per figure at step 0 (MLflow draws a bar, not a one-point line): only what the
+    # stage did not log into its run itself (no duplicate MLflow points), under its MLflow names.
     logged = run.logged_metric_names()
-    final = {**result.metrics, "num_rows": manifest["num_rows"], "num_bytes": manifest["num_bytes"],
+    summary = result.metrics if result.mlflow_summary is None else result.mlflow_summary
+    final = {**summary, "num_rows": manifest["num_rows"], "num_bytes": manifest["num_bytes"],
              "seconds": manifest["seconds"]}
-    run.log_metrics({k: v for k, v in final.items() if k not in logged}, result.final_step)
+    run.log_metrics({k: v for k, v in final.items() if k not in logged})
     run.log_dict(manifest, "_MANIFEST.json")
     run.end(True)
     console.say(f"  {stage.name} done: {console.amount(manifest['num_rows'], UNITS.get(stage.name, 'rows'))} "

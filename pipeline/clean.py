@@ -257,7 +257,8 @@ def run_stage(ctx: StageContext) -> StageResult:
         "redirects_skipped": counts[REDIRECT], "disambiguation_skipped": counts[DISAMBIGUATION],
         "non_article_ns_skipped": counts[OTHER_NS], "too_short_skipped": counts[TOO_SHORT],
         "pages_truncated": truncated, "mb_wikitext": round(num_bytes / 1e6, 3), "seconds": round(seconds, 3),
-        "mb_per_second": round(num_bytes / 1e6 / seconds, 3), "articles_per_second": round(counts[ARTICLE] / seconds, 2),
+        "mb_per_second": round(num_bytes / 1e6 / seconds, 3),
+        "articles_per_second": round(counts[ARTICLE] / seconds, 2),
         "num_input_files": len(raw_inputs), "num_read_units": len(units), "num_output_files": len(files),
     }
     log.info("clean: done in %.1fs: %s", seconds, metrics)

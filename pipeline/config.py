@@ -16,11 +16,21 @@ def at_least(section: str, obj: Any, minimum: float, *names: str) -> None:
             raise ValueError(f"{_key(section, name)} must be >= {minimum}, got {value}")
 
 
-def within(section: str, obj: Any, name: str, low: float, high: float, *, high_open: bool = False) -> None:
-    """ValueError naming `section.name` unless low <= value <= high (< high with high_open)."""
+def above(section: str, obj: Any, minimum: float, *names: str) -> None:
+    """ValueError naming `section.name` for the first field not strictly above `minimum` (rates, epsilons)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not value > minimum:
+            raise ValueError(f"{_key(section, name)} must be > {minimum}, got {value}")
+
+
+def within(section: str, obj: Any, name: str, low: float, high: float, *, low_open: bool = False,
+           high_open: bool = False) -> None:
+    """ValueError naming `section.name` unless low <= value <= high (> low with low_open, < high with high_open)."""
     value = getattr(obj, name)
-    if not (low <= value < high if high_open else low <= value <= high):
-        raise ValueError(f"{_key(section, name)} must be in [{low}, {high}{')' if high_open else ']'}, got {value}")
+    if not ((low < value if low_open else low <= value) and (value < high if high_open else value <= high)):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{_key(section, name)} must be in {interval}, got {value}")
 
 
 # One bound for every sequence length of the project (pairs, pretrain phases, fine-tuning, features): room for
@@ -122,10 +132,10 @@ class PairsConfig:
 
     def __post_init__(self) -> None:
         lengths = self.max_seq_lengths
-        # 8..512: room for [CLS] A [SEP] B [SEP], and BERT's position table (the same bounds as pretrain.phases).
-        if not lengths or any(not 8 <= n <= 512 for n in lengths) or list(lengths) != sorted(set(lengths)):
-            raise ValueError(f"pairs.max_seq_lengths must be distinct lengths in [8, 512], ascending, got "
-                             f"{list(lengths)}")
+        if (not lengths or any(not MIN_SEQ_LENGTH <= n <= MAX_SEQ_LENGTH for n in lengths)
+                or list(lengths) != sorted(set(lengths))):
+            raise ValueError(f"pairs.max_seq_lengths must be distinct lengths in [{MIN_SEQ_LENGTH}, {MAX_SEQ_LENGTH}], "
+                             f"ascending, got {list(lengths)}")
         within("pairs", self, "short_seq_prob", 0.0, 1.0)
         within("pairs", self, "heldout_fraction", 0.0, 1.0, high_open=True)
         at_least("pairs", self, 1, "dupe_factor", "num_shards", "docs_per_partition")

@@ -23,6 +23,7 @@ from typing import Iterator
 
 import smart_open
 
+from bertpipe.pipeline import storage
 from bertpipe.pipeline.stage import StageInputError
 
 CHUNK_BYTES = 1 << 20
@@ -63,7 +64,7 @@ def expand_inputs(patterns: tuple[str, ...] | list[str]) -> list[str]:
         if not any(c in pattern for c in "*?["):
             out.append(pattern)
             continue
-        if "://" in pattern and not pattern.startswith("file://"):
+        if storage.is_remote(pattern) and not pattern.startswith("file://"):
             matches = _remote_glob(pattern)
         else:
             matches = sorted(glob.glob(pattern.removeprefix("file://")))
@@ -340,7 +341,7 @@ def find_index(uri: str) -> str | None:
         return None
     for suffix in _INDEX_SUFFIXES:
         candidate = base + suffix
-        if "://" in candidate and not candidate.startswith("file://"):
+        if storage.is_remote(candidate) and not candidate.startswith("file://"):
             try:
                 with smart_open.open(candidate, "rb", compression="disable"):
                     return candidate

@@ -84,7 +84,7 @@ def _remote_identity(uri: str, what: str) -> tuple[int, str]:
 
 def describe_file(uri: str, what: str = "input") -> dict[str, Any]:
     """{"uri", "size", "checksum"} of one file; StageInputError naming `what` if it is not there."""
-    local = uri.removeprefix("file://") if "://" not in uri or uri.startswith("file://") else None
+    local = uri.removeprefix("file://") if not storage.is_remote(uri) or uri.startswith("file://") else None
     if local is None:
         size, tag = _remote_identity(uri, what)
         return {"uri": uri, "size": size, "checksum": tag}

@@ -246,7 +246,8 @@ def pair_block(batch: pa.Table, *, vocab_uri: str, lowercase: bool, seeds: dict[
     training documents (NotNext from the same pool) and the held-out ones, and write both as part files. Returns
     one row of counters: instances never travel through the object store."""
     ids = np.asarray(batch.column("id").cast(pa.int64()).to_numpy(zero_copy_only=False))
-    flat, bounds = encode_documents(batch.column("text").to_pylist(), cached_tokenizers(vocab_uri, lowercase), lowercase)
+    encoders = cached_tokenizers(vocab_uri, lowercase)
+    flat, bounds = encode_documents(batch.column("text").to_pylist(), encoders, lowercase)
     held = [is_heldout(int(i), heldout_fraction) for i in ids]
     # The block's identity comes from its content (Ray Data does not tell a batch its index): its seeds and file
     # names are the same on every run and on a retry.
@@ -403,7 +404,8 @@ def run_stage(ctx: StageContext) -> StageResult:
         "tokens_per_second": corpus_tokens / max(seconds, 1e-9),
         "nsp_random_fraction": metrics[f"nsp_random_fraction_seq{first}"],
         "short_target_fraction": metrics[f"short_target_fraction_seq{first}"],
-        "rows_dropped_for_equal_shards": sum(metrics[f"rows_dropped_for_equal_shards_seq{L}"] for L in cfg.max_seq_lengths),
+        "rows_dropped_for_equal_shards": sum(metrics[f"rows_dropped_for_equal_shards_seq{L}"]
+                                             for L in cfg.max_seq_lengths),
         "seconds": round(seconds, 3),
     })
     metrics = {k: float(v) for k, v in metrics.items()}

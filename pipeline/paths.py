@@ -7,22 +7,20 @@ import os
 import posixpath
 from dataclasses import dataclass
 
+from bertpipe.pipeline import storage
+
 
 @dataclass(frozen=True)
 class WorkdirPaths:
     workdir: str
 
     def __post_init__(self) -> None:
-        if "://" not in self.workdir and not os.path.isabs(self.workdir):
+        if not storage.is_remote(self.workdir) and not os.path.isabs(self.workdir):
             raise ValueError(f"workdir {self.workdir!r} must be absolute or a URI (resolve it when loading the config)")
 
     def _join(self, *parts: str) -> str:
-        join = posixpath.join if "://" in self.workdir else os.path.join
+        join = posixpath.join if storage.is_remote(self.workdir) else os.path.join
         return join(self.workdir, *parts)
-
-    @property
-    def is_local(self) -> bool:
-        return "://" not in self.workdir
 
     def stage(self, name: str) -> str:
         """A stage's output folder: its data files and, last, its _MANIFEST.json."""

@@ -57,7 +57,8 @@ def shard_meta(*, vocab_hash: str, vocab_size: int, do_lower_case: bool, max_seq
 def shard_schema(vocab_size: int, max_seq_length: int, meta: dict) -> pa.Schema:
     """The shard schema with the bertpipe metadata attached; `meta` must agree with vocab_size/max_seq_length."""
     if meta.get("vocab_size") != vocab_size or meta.get("max_seq_length") != max_seq_length:
-        raise ValueError(f"shard metadata {meta} disagrees with vocab_size={vocab_size}, max_seq_length={max_seq_length}")
+        raise ValueError(f"shard metadata {meta} disagrees with vocab_size={vocab_size}, "
+                         f"max_seq_length={max_seq_length}")
     if max_seq_length > 32_767:
         raise ValueError(f"max_seq_length={max_seq_length} does not fit the int16 columns")
     return pa.schema(
@@ -76,7 +77,7 @@ def write_shard(uri: str, table: pa.Table) -> None:
     if META_KEY not in (table.schema.metadata or {}):
         raise ValueError(f"refusing to write {uri}: the table carries no {META_KEY!r} metadata (use shard_schema)")
     fs, path = storage.resolve(uri)
-    parent = posixpath.dirname(path) if "://" in uri else os.path.dirname(path)
+    parent = posixpath.dirname(path) if storage.is_remote(uri) else os.path.dirname(path)
     fs.create_dir(parent, recursive=True)
     tmp = storage.temp_path(path)
     with fs.open_output_stream(tmp) as f:

@@ -64,7 +64,7 @@ class StageContext:
 
     def __post_init__(self) -> None:
         if self.paths is None:
-            parent = (posixpath.dirname(self.output_uri.rstrip("/")) if "://" in self.output_uri
+            parent = (posixpath.dirname(self.output_uri.rstrip("/")) if storage.is_remote(self.output_uri)
                       else os.path.dirname(self.output_uri.rstrip(os.sep)))
             self.paths = WorkdirPaths(parent)
 
@@ -84,8 +84,9 @@ class StageResult:
     # Paths (relative to the output folder) that downstream stages or users rely on. The manifest is written only
     # if all of them exist; a later check that finds one gone makes the stage broken, never fresh.
     outputs: list[str] = field(default_factory=list)
-    # The step its final figures belong to in MLflow (pre-training: the last optimizer step).
-    final_step: int | None = None
+    # What the workflow logs into the stage's MLflow run as its summary (one value each, at step 0), when not
+    # `metrics` itself: a stage whose MLflow names differ from its manifest's (pre-training) sets it.
+    mlflow_summary: dict[str, float] | None = None
 
 
 def manifest_uri(output_uri: str) -> str:
@@ -103,7 +104,7 @@ _MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
 
 def safe_relative(path: Any) -> bool:
     """A path inside the stage folder: relative, no "..", no empty part (a manifest must not reach outside)."""
-    if not isinstance(path, str) or not path or path.startswith(("/", "\\")) or "://" in path:
+    if not isinstance(path, str) or not path or path.startswith(("/", "\\")) or storage.is_remote(path):
         return False
     parts = path.replace("\\", "/").split("/")
     return all(p not in ("", ".", "..") for p in parts)

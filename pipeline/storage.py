@@ -20,7 +20,7 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it). A local path must already be absolute: relative paths are resolved once,
     on the driver, when the config is loaded; here, possibly on a Ray worker whose working directory is Ray's
     per-run folder, a relative path would silently point somewhere else."""
-    if "://" not in uri:
+    if not is_remote(uri):
         if not os.path.isabs(uri):
             raise ValueError(f"relative path {uri!r} reached storage: paths must be made absolute when the config "
                              "is loaded (jobs.config.load_config), not where the code happens to run")
@@ -29,7 +29,7 @@ def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 
 
 def join(uri: str, *parts: str) -> str:
-    if "://" in uri:
+    if is_remote(uri):
         return posixpath.join(uri, *parts)
     return os.path.join(uri, *parts)
 
@@ -76,7 +76,7 @@ def list_all(uri: str) -> tuple[list[tuple[str, int]], list[str]]:
         return [], []
     files, dirs = [], []
     for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
-        rel = info.path[len(path):].lstrip("/") if "://" in uri else os.path.relpath(info.path, path)
+        rel = info.path[len(path):].lstrip("/") if is_remote(uri) else os.path.relpath(info.path, path)
         rel = rel.replace(os.sep, "/")
         if info.type == pafs.FileType.File:
             files.append((rel, info.size))
@@ -112,7 +112,7 @@ def list_files(uri: str) -> list[tuple[str, int]]:
     for info in fs.get_file_info(pafs.FileSelector(path, recursive=True)):
         if info.type != pafs.FileType.File:
             continue
-        rel = os.path.relpath(info.path, path) if "://" not in uri else info.path[len(path):].lstrip("/")
+        rel = os.path.relpath(info.path, path) if not is_remote(uri) else info.path[len(path):].lstrip("/")
         name = posixpath.basename(rel)
         if name.startswith((".", "_")) or name.endswith(".tmp"):
             continue
@@ -140,7 +140,7 @@ def read_bytes(uri: str) -> bytes:
 def write_bytes(uri: str, data: bytes) -> None:
     """Write a file whole, creating its folder; atomic where the store allows (tmp + rename)."""
     fs, path = resolve(uri)
-    fs.create_dir(posixpath.dirname(path) if "://" in uri else os.path.dirname(path), recursive=True)
+    fs.create_dir(posixpath.dirname(path) if is_remote(uri) else os.path.dirname(path), recursive=True)
     tmp = temp_path(path)
     try:
         with fs.open_output_stream(tmp) as f:

@@ -6,8 +6,9 @@ name (`special_ids`), so any vocab.txt that contains the five special tokens wor
 
 The trainer reads a bounded sample of the corpus (`vocab.max_sample_bytes`, whole row groups drawn at random with
 the seed across every file), read once and held in memory for the two uses the algorithm needs: the character
-counts that fix the alphabet, then the trainer itself. The rest of the corpus is never read (footers only). Training is reproducible: the same corpus and config give a byte-identical vocab.txt in any
-process (see "deterministic training" below for why `tokenizers` needs help with that).
+counts that fix the alphabet, then the trainer itself. The rest of the corpus is never read (footers only).
+Training is reproducible: the same corpus and config give a byte-identical vocab.txt in any process (see
+"deterministic training" below for why `tokenizers` needs help with that).
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def load_vocab(path: str) -> list[str]:
     present = set(tokens)
     missing = [t for t in SPECIAL_TOKENS if t not in present]
     if missing:
-        raise StageInputError(f"vocabulary {uri} lacks the special tokens {missing} (needs all of {list(SPECIAL_TOKENS)})")
+        raise StageInputError(f"vocabulary {uri} lacks the special tokens {missing} "
+                              f"(needs all of {list(SPECIAL_TOKENS)})")
     if len(present) != len(tokens):
         seen, dupes = set(), []
         for t in tokens:
@@ -263,7 +265,8 @@ def run_stage(ctx: StageContext) -> StageResult:
         log.info("vocab: using existing %s (%d tokens)", cfg.path, len(tokens))
     else:
         if cfg.vocab_size <= len(GOOGLE_SPECIAL_LAYOUT):
-            raise ValueError(f"vocab.vocab_size={cfg.vocab_size} leaves no room beside the {len(GOOGLE_SPECIAL_LAYOUT)} special slots")
+            raise ValueError(f"vocab.vocab_size={cfg.vocab_size} leaves no room beside the "
+                             f"{len(GOOGLE_SPECIAL_LAYOUT)} special slots")
         docs = ctx.input("clean")
         pieces = text_pieces(document_files(docs.uri, docs.manifest))
         sample = sample_pieces(pieces, cfg.max_sample_bytes, ctx.seed)

@@ -36,6 +36,7 @@ import uuid
 from typing import Callable, Iterator
 from urllib.parse import parse_qs, urlsplit
 
+from bertpipe.pipeline import storage
 from bertpipe.pipeline.paths import WorkdirPaths
 from bertpipe.pipeline.redact import mask
 
@@ -456,7 +457,7 @@ def acquire(workdir: str, *, command: str | None = None, note: Note | None = Non
     note = note or (lambda line: log.warning("%s", line))
     path = WorkdirPaths(workdir).lock
     record = holder_record(command)
-    scheme = workdir.split("://", 1)[0].lower() if "://" in workdir else ""
+    scheme = workdir.split("://", 1)[0].lower() if storage.is_remote(workdir) else ""
     if not scheme:
         return _acquire_local(workdir, path, record, note)
     if scheme in ("s3", "gs", "gcs"):

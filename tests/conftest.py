@@ -63,8 +63,8 @@ def ray_local(fault_dir):
     from fault_injection import FAULT_DIR_ENV
 
     if not ray.is_initialized():
-        env = {"TOKENIZERS_PARALLELISM": "false", FAULT_DIR_ENV: str(fault_dir),
-               "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        pythonpath = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env = {"TOKENIZERS_PARALLELISM": "false", FAULT_DIR_ENV: str(fault_dir), "PYTHONPATH": pythonpath}
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env, "worker_process_setup_hook": "fault_injection.install"})
     yield ray

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.jobs.finetune.config import FinetuneConfig
-from bertpipe.jobs.finetune.trial import TrialParams
+from bertpipe.jobs.glue.config import FinetuneConfig
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_glue.py"
 N_ROWS, EPOCHS = 12, 3
+RECIPE = FinetuneConfig(batch_size=N_ROWS, num_epochs=EPOCHS)
+LR = 1e-3
 
 
 def bench_glue():
@@ -47,19 +48,15 @@ def epoch_orders(args) -> list[tuple[int, ...]]:
     return [tuple(o) for o in model.orders]
 
 
-def trial(seed: int) -> TrialParams:
-    return TrialParams(learning_rate=1e-3, seed=seed, recipe=FinetuneConfig(batch_size=N_ROWS, num_epochs=EPOCHS))
-
-
 def test_trainer_side_draws_distinct_data_orders_for_every_trial_and_epoch(tmp_path):
     bench = bench_glue()
-    orders = {seed: epoch_orders(bench.hf_training_args(trial(seed), str(tmp_path / str(seed)), warmup_steps=0))
+    orders = {seed: epoch_orders(bench.hf_training_args(RECIPE, LR, seed, str(tmp_path / str(seed)), warmup_steps=0))
               for seed in (1, 2, 3)}
     assert all(len(o) == EPOCHS and all(sorted(e) == list(range(N_ROWS)) for e in o) for o in orders.values())
     flat = [e for seed in orders for e in orders[seed]]
     assert len(set(flat)) == len(flat), "two (trial, epoch) pairs were fed the same order"
     # Reproducible: the same trial seed gives the same orders.
-    again = epoch_orders(bench.hf_training_args(trial(2), str(tmp_path / "again"), warmup_steps=0))
+    again = epoch_orders(bench.hf_training_args(RECIPE, LR, 2, str(tmp_path / "again"), warmup_steps=0))
     assert again == orders[2]
 
 
@@ -69,6 +66,6 @@ def test_without_a_data_seed_the_trainer_shares_epoch_orders_across_consecutive_
     bench = bench_glue()
     orders = {}
     for seed in (1, 2):
-        args = bench.hf_training_args(trial(seed), str(tmp_path / str(seed)), 0, shared_orders=True)
+        args = bench.hf_training_args(RECIPE, LR, seed, str(tmp_path / str(seed)), 0, shared_orders=True)
         orders[seed] = epoch_orders(args)
     assert orders[2][0] == orders[1][1] and orders[2][1] == orders[1][2]

@@ -46,7 +46,7 @@ UPPER_BOUNDS = [
     ("squad.max_seq_length=1024", "max_seq_length"),
     ("squad.train_articles=[5,2]", "train_articles"),
     ("ner.entity_types=[]", "entity_types"),
-    ("features.max_seq_length=8", "max_seq_length"),
+    ("features.max_seq_length=7", "max_seq_length"),  # below MIN_SEQ_LENGTH, the bound of every sequence length
     ("features.entity_types=[]", "entity_types"),
     ("pretrain.masked_lm_prob=1", "masked_lm_prob"),
     ("pretrain.phase1_fraction=1.5", "phase1_fraction"),
@@ -56,7 +56,7 @@ UPPER_BOUNDS = [
 
 # Fields whose checks belong in jobs/pretrain/config.py (owned by the pre-training work) that load does not refuse
 # yet, or refuses without naming the field. Strict xfail: the gap stays visible, and an entry must go (the test
-# fails as XPASS) as soon as `validate` covers it.
+# fails as XPASS) as soon as `PretrainConfig.__post_init__` covers it.
 PRETRAIN_GAPS: set[str] = set()  # fields jobs/pretrain/config.py does not check yet (strict xfail each)
 
 
@@ -128,7 +128,7 @@ def _params() -> list:
         value = override.split("=", 1)[1]
         # nan and inf are refused for every float field by the loader itself: no gap there.
         gap = case_id in PRETRAIN_GAPS and value not in (".nan", ".inf")
-        marks = [pytest.mark.xfail(strict=True, reason="not checked by jobs/pretrain/config.py validate yet")]
+        marks = [pytest.mark.xfail(strict=True, reason="not checked by jobs/pretrain/config.py yet")]
         out.append(pytest.param(override, name, id=f"{case_id}={value}", marks=marks if gap else []))
     return out
 

@@ -1,9 +1,12 @@
 """House rules that keep the code walkable: every module imports, no import circle (late imports included), no
-function over 60 lines, and the project imported only under the `bertpipe` name it installs."""
+function over 60 lines, the project imported only under the `bertpipe` name it installs, and ruff (120 columns,
+pyflakes: [tool.ruff] in pyproject.toml) silent on the code, the tests and the benchmarks."""
 from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "model", "jobs")
 MAX_FUNCTION_LINES = 60
+LINTED = (*PACKAGES, "tests", "benchmarks")
 
 
 def modules() -> dict[str, Path]:
@@ -87,3 +91,35 @@ def test_project_is_imported_only_as_bertpipe():
                      [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
             bare += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in PACKAGES]
     assert not bare, bare
+
+
+def test_ruff_reports_nothing():
+    """Line length and pyflakes (unused imports and variables, undefined names...) as configured in pyproject.toml;
+    --no-cache: no .ruff_cache written into the working tree."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format=concise", *LINTED],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"ruff findings ([tool.ruff] in pyproject.toml):\n{proc.stdout}{proc.stderr}"
+
+
+FINE_TUNING_TASKS = ("glue", "squad", "ner", "features")
+
+
+def test_fine_tuning_tasks_are_siblings_above_one_engine():
+    """GLUE, SQuAD, NER (and feature extraction) each import the engine (bertpipe.jobs.tuning) and never each
+    other; the engine imports none of them."""
+    mods = modules()
+    known = set(mods)
+    sideways = []
+    for name, path in mods.items():
+        parts = name.split(".")
+        if len(parts) < 3 or parts[1] != "jobs" or parts[2] not in (*FINE_TUNING_TASKS, "tuning"):
+            continue
+        for target in imports_of(name, path, known):
+            tparts = target.split(".")
+            other = tparts[2] if len(tparts) > 2 and tparts[1] == "jobs" else ""
+            if other in FINE_TUNING_TASKS and other != parts[2]:
+                sideways.append(f"{name} imports {target}")
+    assert not sideways, sideways
+    users = {n.split(".")[2] for n, p in mods.items() if n.split(".")[1:2] == ["jobs"] and len(n.split(".")) > 3
+             and any(t.startswith("bertpipe.jobs.tuning") for t in imports_of(n, p, known))}
+    assert set(FINE_TUNING_TASKS) <= users, users

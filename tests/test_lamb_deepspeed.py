@@ -1,6 +1,6 @@
 """LAMB under DeepSpeed (2 CPU ranks, gloo) takes the same steps as the plain per-parameter Lamb in one process:
 ZeRO 1 and 2 exactly (fp32), and bf16 within what bf16 arithmetic allows, under each of DeepSpeed's wrappers.
-(ZeRO 3 is refused for LAMB by `validate`; ZeRO 0 hands Lamb whole parameters, one fp32 tensor each.)"""
+(ZeRO 3 is refused for LAMB by `PretrainConfig`; ZeRO 0 hands Lamb whole parameters, one fp32 tensor each.)"""
 from __future__ import annotations
 
 import pytest

@@ -70,7 +70,8 @@ def test_list_shards_reads_the_manifest_of_a_committed_folder_and_lists_a_bare_o
     # A file written after the commit is not part of the committed output.
     shards.write_shard(str(tmp_path / "seq128" / shards.train_shard_name(3)), _table(schema))
     train, held = shards.list_shards(str(tmp_path), 128)
-    assert [p.rsplit("/", 1)[-1] for p in train] == ["train-00000.parquet", "train-00001.parquet", "train-00002.parquet"]
+    names = [p.rsplit("/", 1)[-1] for p in train]
+    assert names == ["train-00000.parquet", "train-00001.parquet", "train-00002.parquet"]
     assert held == str(tmp_path / "seq128" / "heldout.parquet")
     with pytest.raises(StageInputError, match="max_seq_length=512"):
         shards.list_shards(str(tmp_path), 512)

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import engine_helpers as eh
-import pretrain_helpers as h
 from bertpipe.jobs.pretrain import loop
-from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning, validate
+from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.meter import Meter, NonFiniteError
 
@@ -98,8 +97,7 @@ def test_no_host_reads_between_logging_windows(precision, zero, optimizer):
 
 def test_bf16_json_has_no_overflow_check_and_fp16_keeps_loss_scaling():
     gpu = PretrainConfig(use_gpu=True, precision="bf16", num_workers=1,
-                         phases=(PhaseConfig(global_batch_size=256, micro_batch_size=256),))
-    validate(gpu)
+                         phases=(PhaseConfig(global_batch_size=256, micro_batch_size=256),))  # valid, or it raises
     ds = deepspeed_config(gpu, gpu.phases[0], 1)
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False} and not ds["fp16"]["enabled"]
     fp16 = deepspeed_config(PretrainConfig(use_gpu=True, precision="fp16", num_workers=1), gpu.phases[0], 1)
@@ -182,8 +180,7 @@ def test_gpu_presets_fill_the_card(preset):
     micro-batch under 64 at seq 128; they compile on the GPU."""
     from bertpipe.jobs.config import load_config
 
-    cfg = load_config(preset).pretrain
-    validate(cfg)
+    cfg = load_config(preset).pretrain  # loading checks every value and combination
     assert cfg.use_gpu and loop.compile_enabled(cfg) and layout_warning(cfg) == ""
     first = cfg.phases[0]
     assert first.max_seq_length == 128 and first.micro_batch_size >= 64
@@ -214,4 +211,5 @@ def test_progress_says_once_what_the_work_is_doing(capsys):
     finally:
         progress.enable(False)
     lines = [l for l in capsys.readouterr().out.splitlines() if l.strip()]
-    assert lines == ["  pretrain: compiling the model (torch.compile, first step)", "  pretrain: model compiled in 12 s"]
+    assert lines == ["  pretrain: compiling the model (torch.compile, first step)",
+                     "  pretrain: model compiled in 12 s"]

@@ -1,14 +1,15 @@
 """Typed configs of the pre-training stage: which BERT (ModelConfig) and how to train it (PretrainConfig).
 
-Frozen, keyword-only: `configs/*.yaml` and `--set pretrain.zero_stage=3` fill them. `validate` catches the
-impossible combinations before any Ray worker starts, so a typo costs seconds, not a cluster allocation.
+Frozen, keyword-only: `configs/*.yaml` and `--set pretrain.zero_stage=3` fill them. Each `__post_init__` refuses
+the impossible values and combinations when the config is built (at load, before any Ray worker starts), so a typo
+costs seconds, not a cluster allocation.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from bertpipe.pipeline.config import path_field
+from bertpipe.pipeline.config import above, at_least, one_of, path_field, sequence_length, within
 
 MODEL_PRESETS = ("tiny", "bert-tiny", "mini", "base", "large")
 
@@ -23,11 +24,9 @@ class ModelConfig:
     attention_probs_dropout_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.preset not in MODEL_PRESETS:
-            raise ValueError(f"model.preset {self.preset!r} is not one of {list(MODEL_PRESETS)}")
+        one_of("model", self, "preset", MODEL_PRESETS)
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
+            within("model", self, name, 0.0, 1.0, high_open=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +43,14 @@ class PhaseConfig:
     # Peak learning rate of this phase (lr_schedule "phase") — with lr_schedule "run" only phase 1's counts.
     learning_rate: float = 1e-4
     warmup_steps: int = 10
+
+    def __post_init__(self) -> None:
+        section = "pretrain.phases[]"  # the index is not known here; the field and its value name the phase
+        sequence_length(section, self)
+        within(section, self, "max_predictions_per_seq", 1, self.max_seq_length)
+        at_least(section, self, 1, "micro_batch_size", "global_batch_size")
+        above(section, self, 0, "learning_rate")
+        at_least(section, self, 0, "warmup_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +101,7 @@ class PretrainConfig:
     # Rows each worker mixes locally per epoch (the shards were already shuffled by the pairs stage).
     shuffle_buffer_rows: int = 2000
     # Micro-batches whose rows are sorted together by length before batching, so short rows share a batch and
-    # pad less (jobs/length_binning.py); 1 = off. Batch sizes and rows per epoch do not change.
+    # pad less (jobs/pretrain/length_binning.py); 1 = off. Batch sizes and rows per epoch do not change.
     length_bin_window: int = 8
     prefetch_batches: int = 4
     # --- logging, evaluation, checkpoints
@@ -110,12 +117,89 @@ class PretrainConfig:
     # Run name under storage_path; empty = derived from the config and inputs, so an identical rerun resumes.
     run_name: str = ""
 
+    def __post_init__(self) -> None:
+        """ValueError naming the key for every value and combination that cannot run (before any worker starts)."""
+        self._check_ranges()
+        self._check_steps()
+        self._check_engine()
+        self._check_lamb()
+        self._check_phases()
+
     def phase_steps(self) -> tuple[int, ...]:
         """Optimizer steps of each phase; they sum to max_steps."""
         if len(self.phases) == 1:
             return (self.max_steps,)
         first = round(self.max_steps * self.phase1_fraction)
         return (first, self.max_steps - first)
+
+    def _check_ranges(self) -> None:
+        """Each field of this section in its range (a phase checks its own fields)."""
+        at_least("pretrain", self, 1, "num_workers", "cpus_per_worker", "max_steps", "log_every_steps",
+                 "checkpoint_every_steps", "num_checkpoints_to_keep", "eval_max_batches", "prefetch_batches",
+                 "length_bin_window")
+        # gradient_clipping 0 = off; eval_every_steps 0 = only at the end
+        at_least("pretrain", self, 0, "eval_every_steps", "max_failures", "shuffle_buffer_rows", "weight_decay",
+                 "gradient_clipping")
+        within("pretrain", self, "phase1_fraction", 0.0, 1.0, low_open=True)
+        within("pretrain", self, "masked_lm_prob", 0.0, 1.0, low_open=True, high_open=True)
+        for name in ("beta1", "beta2"):
+            within("pretrain", self, name, 0.0, 1.0, high_open=True)
+        above("pretrain", self, 0, "eps", "decay_power")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"pretrain.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+    def _check_steps(self) -> None:
+        """One or two phases, and max_steps split so that every phase gets its share and phase 1 at least one."""
+        if not 1 <= len(self.phases) <= 2:
+            raise ValueError(f"pretrain.phases must hold 1 or 2 phases (seq 128, then 512), got {len(self.phases)}")
+        steps = self.phase_steps()
+        if len(steps) != len(self.phases) or sum(steps) != self.max_steps or min(steps) < 0:
+            raise ValueError(f"pretrain phase steps {list(steps)} must be one non-negative count per phase summing "
+                             f"to pretrain.max_steps {self.max_steps}")
+        if steps[0] < 1:
+            raise ValueError(f"pretrain phase 1 gets no steps (max_steps {self.max_steps}, phase1_fraction "
+                             f"{self.phase1_fraction})")
+
+    def _check_engine(self) -> None:
+        """Optimizer implementation, offload and precision against the device."""
+        if self.offload_optimizer and (self.zero_stage == 0 or self.optimizer_impl != "deepspeed"
+                                       or not self.use_gpu or self.optimizer != "adamw"):
+            raise ValueError("pretrain.offload_optimizer needs zero_stage >= 1, use_gpu, optimizer adamw and "
+                             "optimizer_impl 'deepspeed' (DeepSpeed's CPU Adam)")
+        if self.optimizer_impl == "deepspeed" and not self.use_gpu:
+            raise ValueError("pretrain.optimizer_impl 'deepspeed' needs compiled ops and a GPU; use 'torch' on CPU")
+        if not self.use_gpu and self.precision in ("bf16", "fp16"):
+            raise ValueError(f"pretrain.precision {self.precision} needs use_gpu; CPU training runs in fp32")
+        if self.use_gpu and self.precision == "fp16" and self.optimizer_impl == "torch" and self.zero_stage == 0:
+            raise ValueError("pretrain.precision fp16 with zero_stage 0 needs optimizer_impl 'deepspeed' "
+                             "(DeepSpeed's fp16 wrapper)")
+
+    def _check_lamb(self) -> None:
+        """LAMB's trust ratio must stay per layer: jobs/pretrain/lamb_layout.py maps ZeRO 1/2 and bf16 partitions
+        back to parameters; ZeRO 3 and DeepSpeed's own FusedLamb cannot be mapped (optimizer offload is refused by
+        _check_engine)."""
+        if self.optimizer != "lamb":
+            return
+        if self.zero_stage == 3:
+            raise ValueError("pretrain.optimizer lamb with zero_stage 3 cannot be layer-wise (ZeRO-3 steps flat "
+                             "sub-groups one at a time); use zero_stage 1 or 2")
+        if self.optimizer_impl == "deepspeed":
+            raise ValueError("pretrain.optimizer lamb with optimizer_impl 'deepspeed' (DeepSpeed's FusedLamb: one "
+                             "clamped trust ratio per flat ZeRO/bf16 partition) is not layer-wise; use "
+                             "optimizer_impl 'torch'")
+
+    def _check_phases(self) -> None:
+        """Lengths grow from phase to phase, and each phase's batch splits over the workers."""
+        previous = 0
+        for i, ph in enumerate(self.phases):
+            where = f"pretrain.phases[{i}]"
+            if ph.max_seq_length <= previous:
+                raise ValueError(f"{where}.max_seq_length {ph.max_seq_length} must grow from phase to phase")
+            previous = ph.max_seq_length
+            per_step = ph.micro_batch_size * self.num_workers
+            if ph.global_batch_size % per_step:
+                raise ValueError(f"{where}.global_batch_size {ph.global_batch_size} is not divisible by num_workers "
+                                 f"× micro_batch_size = {self.num_workers} × {ph.micro_batch_size} = {per_step}")
 
 
 # Below this micro-batch at accumulation 1 the per-step overhead dominates a GPU step (measured on an H100,
@@ -136,97 +220,3 @@ def layout_warning(cfg: PretrainConfig) -> str:
     return (f"pretrain layout ({where}) leaves the GPU waiting on per-step overhead (H100, BERT-Large seq 128: "
             f"430 seq/s at micro 64 × accumulation 1, 1,439 at micro 256); use fewer workers with larger "
             f"micro_batch_size, or a larger global_batch_size")
-
-
-def _check_lamb(cfg: PretrainConfig, bad) -> None:
-    """LAMB's trust ratio must stay per layer: jobs/pretrain/lamb_layout.py maps ZeRO 1/2 and bf16 partitions back
-    to parameters; ZeRO 3 and DeepSpeed's own FusedLamb cannot be mapped (optimizer offload is refused below)."""
-    if cfg.optimizer != "lamb":
-        return
-    if cfg.zero_stage == 3:
-        bad("optimizer lamb with zero_stage 3 cannot be layer-wise (ZeRO-3 steps flat sub-groups one at a time); "
-            "use zero_stage 1 or 2")
-    if cfg.optimizer_impl == "deepspeed":
-        bad("optimizer lamb with optimizer_impl 'deepspeed' (DeepSpeed's FusedLamb: one clamped trust ratio per "
-            "flat ZeRO/bf16 partition) is not layer-wise; use optimizer_impl 'torch'")
-
-
-def validate(cfg: PretrainConfig) -> None:
-    """ValueError naming the key for every combination that cannot run (before any worker starts)."""
-    def bad(msg: str) -> None:
-        raise ValueError(f"pretrain config: {msg}")
-
-    if cfg.num_workers < 1 or cfg.cpus_per_worker < 1:
-        bad(f"num_workers ({cfg.num_workers}) and cpus_per_worker ({cfg.cpus_per_worker}) must be >= 1")
-    if cfg.max_steps < 1:
-        bad(f"max_steps must be >= 1, got {cfg.max_steps}")
-    if not 1 <= len(cfg.phases) <= 2:
-        bad(f"phases must hold 1 or 2 phases (seq 128, then 512), got {len(cfg.phases)}")
-    if not 0.0 < cfg.phase1_fraction <= 1.0:
-        bad(f"phase1_fraction must be in (0, 1], got {cfg.phase1_fraction}")
-    steps = cfg.phase_steps()
-    if len(steps) != len(cfg.phases) or sum(steps) != cfg.max_steps or min(steps) < 0:
-        bad(f"phase steps {list(steps)} must be one non-negative count per phase summing to max_steps "
-            f"{cfg.max_steps}")
-    if steps[0] < 1:
-        bad(f"phase 1 gets no steps (max_steps {cfg.max_steps}, phase1_fraction {cfg.phase1_fraction})")
-    if cfg.zero_stage not in (0, 1, 2, 3):
-        bad(f"zero_stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
-    if cfg.offload_optimizer and (cfg.zero_stage == 0 or cfg.optimizer_impl != "deepspeed"
-                                  or not cfg.use_gpu or cfg.optimizer != "adamw"):
-        bad("offload_optimizer needs zero_stage >= 1, use_gpu, optimizer adamw and optimizer_impl 'deepspeed' "
-            "(DeepSpeed's CPU Adam)")
-    _check_lamb(cfg, bad)
-    if cfg.optimizer_impl == "deepspeed" and not cfg.use_gpu:
-        bad("optimizer_impl 'deepspeed' needs compiled ops and a GPU; use 'torch' on CPU")
-    if not cfg.use_gpu and cfg.precision in ("bf16", "fp16"):
-        bad(f"precision {cfg.precision} needs use_gpu; CPU training runs in fp32")
-    if cfg.use_gpu and cfg.precision == "fp16" and cfg.optimizer_impl == "torch" and cfg.zero_stage == 0:
-        bad("fp16 with zero_stage 0 needs optimizer_impl 'deepspeed' (DeepSpeed's fp16 wrapper)")
-    for name in ("log_every_steps", "checkpoint_every_steps", "num_checkpoints_to_keep", "eval_max_batches",
-                 "prefetch_batches", "length_bin_window"):
-        if getattr(cfg, name) < 1:
-            bad(f"{name} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.eval_every_steps < 0 or cfg.max_failures < 0 or cfg.shuffle_buffer_rows < 0:
-        bad("eval_every_steps, max_failures and shuffle_buffer_rows must be >= 0")
-    _check_numbers(cfg, bad)
-    _check_phases(cfg, bad)
-
-
-def _check_numbers(cfg: PretrainConfig, bad) -> None:
-    """Optimizer and masking numbers in their ranges."""
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(cfg, name) < 1.0:
-            bad(f"{name} must be in [0, 1), got {getattr(cfg, name)}")
-    if cfg.eps <= 0:
-        bad(f"eps must be > 0, got {cfg.eps}")
-    for name in ("weight_decay", "gradient_clipping"):  # gradient_clipping 0 = off
-        if getattr(cfg, name) < 0:
-            bad(f"{name} must be >= 0, got {getattr(cfg, name)}")
-    if not 0.0 < cfg.masked_lm_prob < 1.0:
-        bad(f"masked_lm_prob must be in (0, 1), got {cfg.masked_lm_prob}")
-    if cfg.decay_power <= 0:
-        bad(f"decay_power must be > 0, got {cfg.decay_power}")
-
-
-def _check_phases(cfg: PretrainConfig, bad) -> None:
-    """Each phase's lengths, batch sizes and schedule, and that the batch splits over the workers."""
-    previous = 0
-    for i, ph in enumerate(cfg.phases, 1):
-        where = f"phases[{i - 1}]"
-        if ph.max_seq_length < 8 or ph.max_seq_length > 512:
-            bad(f"{where}.max_seq_length must be in [8, 512] (BERT's position table), got {ph.max_seq_length}")
-        if ph.max_seq_length <= previous:
-            bad(f"{where}.max_seq_length {ph.max_seq_length} must grow from phase to phase")
-        previous = ph.max_seq_length
-        if not 1 <= ph.max_predictions_per_seq <= ph.max_seq_length:
-            bad(f"{where}.max_predictions_per_seq must be in [1, max_seq_length], got {ph.max_predictions_per_seq}")
-        for name in ("micro_batch_size", "global_batch_size"):
-            if getattr(ph, name) < 1:
-                bad(f"{where}.{name} must be >= 1, got {getattr(ph, name)}")
-        per_step = ph.micro_batch_size * cfg.num_workers
-        if ph.global_batch_size % per_step:
-            bad(f"{where}.global_batch_size {ph.global_batch_size} is not divisible by num_workers × "
-                f"micro_batch_size = {cfg.num_workers} × {ph.micro_batch_size} = {per_step}")
-        if ph.learning_rate <= 0 or ph.warmup_steps < 0:
-            bad(f"{where}: learning_rate must be > 0 and warmup_steps >= 0")

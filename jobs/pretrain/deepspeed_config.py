@@ -14,7 +14,7 @@ from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
 
 def resolved_precision(cfg: PretrainConfig) -> str:
     if not cfg.use_gpu:
-        return "fp32"  # DeepSpeed's CPU accelerator and gloo: fp32 only (validate refuses bf16/fp16 on CPU)
+        return "fp32"  # DeepSpeed's CPU accelerator and gloo: fp32 only (PretrainConfig refuses bf16/fp16 on CPU)
     return "bf16" if cfg.precision == "auto" else cfg.precision
 
 

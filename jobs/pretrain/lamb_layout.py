@@ -5,7 +5,7 @@ gradient accumulation) DeepSpeed replaces each param group of a client optimizer
 rank's partition of the group. Both record, for each model parameter, the fragment of it that partition holds
 (`param._hp_mapping`, from `link_hp_params`: the map universal checkpoints use, which accounts for the alignment
 padding between parameters). At ZeRO 0, fp32 hands Lamb the model's parameters and bf16/fp16 with a non-fused
-optimizer (FP16_UnfusedOptimizer) one fp32 copy per parameter: nothing to map. ZeRO 3 is refused by `validate`
+optimizer (FP16_UnfusedOptimizer) one fp32 copy per parameter: nothing to map. ZeRO 3 is refused by `PretrainConfig`
 (it steps flat sub-groups one at a time), and any other wrapper here, so a ratio is never silently flat.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def layouts_of(wrapper: Any) -> list[tuple[torch.Tensor, FlatLayout, list]]:
 
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
         if wrapper.cpu_offload:
-            raise ValueError("LAMB with ZeRO optimizer offload is not supported (validate refuses it)")
+            raise ValueError("LAMB with ZeRO optimizer offload is not supported (PretrainConfig refuses it)")
         return _partitioned(wrapper, wrapper.bit16_groups, wrapper.single_partition_of_fp32_groups)
     if isinstance(wrapper, BF16_Optimizer):
         return _partitioned(wrapper, wrapper.bf16_groups, wrapper.fp32_groups_flat_partition)

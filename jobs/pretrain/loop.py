@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,16 +21,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bertpipe.jobs.pretrain import checkpoints
+from bertpipe.jobs.pretrain import checkpoints, eta
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts, mapped_layouts
 from bertpipe.jobs.pretrain.length_binning import length_binned
 from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
-from bertpipe.jobs.pretrain.meter import Meter, NonFiniteError, all_sum
+from bertpipe.jobs.pretrain.meter import THROUGHPUT, Meter, NonFiniteError, all_sum
 from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
 from bertpipe.jobs.pretrain import zero_fast_paths
-from bertpipe.jobs.tracking import RunLogger
+from bertpipe.jobs.tracking import RunLogger, metric_names
 from bertpipe.pipeline import storage
 from bertpipe.model.training import param_groups
 from bertpipe.pipeline.progress import Reporter
@@ -54,6 +55,7 @@ class WorkerSpec:
     storage_path: str
     run_name: str
     progress: Reporter = field(default_factory=Reporter)  # the driver's live progress line (rank 0 reports)
+    rows: dict[str, int] = field(default_factory=dict)  # {"train_128": rows, "heldout_128": rows, ...}: for the ETA
 
 
 @dataclass
@@ -80,6 +82,32 @@ class Worker:
     # Logged windows and held-out evaluations, {"step": .., figure: ..}: the curves the driver draws. Saved in every
     # checkpoint, so a resumed run's curves start at step 1 too.
     history: list[dict[str, float]] = field(default_factory=list)
+    # The ETA (eta.py): what rank 0 measured, and the time of the last optimizer step with the seconds since then
+    # spent on things the clock prices apart (data stream starts, evaluations, checkpoints).
+    clock: eta.Clock = field(default_factory=eta.Clock)
+    mark: float = 0.0
+    excluded: float = 0.0
+
+    def schedule(self) -> eta.Schedule:
+        cfg, rows = self.spec.pretrain, self.spec.rows
+        per_worker = {k: v // self.world for k, v in rows.items()}
+        return eta.Schedule(cfg, self.spec.model, len(self.spec.vocab_tokens), self.world,
+                            {q: per_worker.get(f"train_{p.max_seq_length}", 0) for q, p in enumerate(cfg.phases)},
+                            {q: per_worker.get(f"heldout_{p.max_seq_length}", 0) for q, p in enumerate(cfg.phases)})
+
+    def doing(self, what: str) -> None:
+        """Rank 0 tells the driver's progress line what the workers are busy with (shown if it takes a while)."""
+        if self.rank == 0:
+            self.spec.progress.set(self.engine.global_steps if self.engine is not None else 0, doing=what)
+
+    def report_step(self, position: "Position", last: dict) -> None:
+        """Rank 0, at an optimizer step: the step, the last window's figures and the seconds left (eta.py)."""
+        if self.rank != 0:
+            return
+        left = eta.seconds_left(self.schedule(), self.clock, position.step, position.phase)
+        # The last window's figures: reading this step's loss would wait for the device.
+        self.spec.progress.set(position.step, loss=last.get("loss"), seq_s=last.get("sequences_per_second", 0.0),
+                               doing="", eta_s=left, eta_at=time.time())
 
 
 def seed_of(*parts: int) -> int:
@@ -130,9 +158,39 @@ def setup(spec: WorkerSpec) -> Worker:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cpus_per_worker)
+    prepare_deepspeed_ops(spec.progress if rank == 0 else Reporter())
+    if rank == 0:
+        spec.progress.set(0, doing="setting up DeepSpeed")
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world)
     return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
                   RunLogger(spec.tracking, enabled=rank == 0))
+
+
+def prepare_deepspeed_ops(progress: Reporter) -> None:
+    """DeepSpeed compiles its CPU communication op (a C++ extension, `deepspeed_shm_comm`) the first time a machine
+    runs it: about 1.5 minutes on 2 cores, inside `deepspeed.initialize`, where nothing reaches the console. Built
+    here first when it is not built yet, saying so (a later `initialize` loads the built op)."""
+    try:
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops
+        from torch.utils.cpp_extension import _get_build_directory
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False) \
+                or installed_ops.get(builder.NAME, False):
+            return
+        built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
+    except Exception:  # noqa: BLE001 - another DeepSpeed layout: initialize builds what it needs, unannounced
+        log.info("could not tell whether DeepSpeed's shm op is built", exc_info=True)
+        return
+    if os.path.exists(built):
+        return
+    progress.set(0, status="building DeepSpeed's CPU communication op (once per machine: 1-2 minutes)",
+                 doing="building DeepSpeed's CPU communication op")
+    started = time.perf_counter()
+    builder.load(verbose=False)
+    progress.set(0, status=f"DeepSpeed op built in {time.perf_counter() - started:.0f} s", doing="")
 
 
 def restore(w: Worker) -> Position:
@@ -214,6 +272,12 @@ def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict
             "eval_mlm_loss": s["mlm_loss"] / max(s["mlm_count"], 1), "eval_sequences": s["sequences"]}
 
 
+def evaluation_series(held_out: dict[str, float]) -> dict[str, float]:
+    """What of an evaluation is an MLflow series: its accuracies and loss (the count of held-out sequences, the
+    same every time, goes into the stage's summary)."""
+    return {k: v for k, v in held_out.items() if k != "eval_sequences"}
+
+
 def train_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
     """One micro-batch (already on the device) forward + backward + (at an accumulation boundary) optimizer step;
     returns the output."""
@@ -224,8 +288,10 @@ def train_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
     return out
 
 
-def log_window(w: Worker, meter: Meter, step: int, seq_length: int) -> dict[str, float]:
-    """The window's figures, all-reduced, logged and kept for the curves; the window's only host reads."""
+def log_window(w: Worker, meter: Meter, step: int, seq_length: int, last: dict | None = None) -> dict[str, float]:
+    """The window's figures, all-reduced, logged and kept for the curves; the window's only host reads. The first
+    window of a phase (data start-up, compile, resume: Meter.steady) logs no throughput, and the figures returned
+    keep the last steady window's throughput (`last`): no speed is reported for it, rather than a wrong one."""
     try:
         figures = meter.summary(w.world)
     except NonFiniteError as exc:
@@ -233,12 +299,15 @@ def log_window(w: Worker, meter: Meter, step: int, seq_length: int) -> dict[str,
     grad_norm = w.engine.get_global_grad_norm()
     metrics = {**figures, "lr": w.scheduler.get_last_lr()[0],
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "seq_length": seq_length}
-    w.run.log_metrics(metrics, step)
+    if not meter.steady:
+        metrics = {k: v for k, v in metrics.items() if k not in THROUGHPUT}
+    w.run.log_metrics(metric_names(metrics), step)
     w.history.append({"step": step, **{k: metrics[k] for k in CURVE_KEYS}})
+    metrics = {**{k: v for k, v in (last or {}).items() if k in THROUGHPUT}, **metrics}
     if w.rank == 0:
         log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%", step,
                  seq_length, metrics["loss"], metrics["mlm_accuracy"], metrics["nsp_accuracy"], metrics["lr"],
-                 metrics["sequences_per_second"], 100 * metrics["data_wait_fraction"])
+                 figures["sequences_per_second"], 100 * figures["data_wait_fraction"])
     return metrics
 
 
@@ -260,16 +329,27 @@ def after_step(w: Worker, meter: Meter, position: Position, phase_end: int, last
     cfg, step = w.spec.pretrain, position.step
     phase = cfg.phases[position.phase]
     if step % cfg.log_every_steps == 0 or step == phase_end:
-        last = log_window(w, meter, step, phase.max_seq_length)
+        last = log_window(w, meter, step, phase.max_seq_length, last)
         meter.reset()
     if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.max_steps:
+        w.doing(f"evaluating on held-out data (seq {phase.max_seq_length})")
+        started = time.perf_counter()
         held_out = evaluate(w, phase)
-        w.run.log_metrics(held_out, step)
+        w.clock.eval_s[position.phase] = took = time.perf_counter() - started
+        w.excluded += took
+        meter.pause(took)  # keep evaluation time out of throughput
+        log.info("rank %d: evaluation at step %d took %.1f s", w.rank, step, took)
+        w.run.log_metrics(metric_names(evaluation_series(held_out)), step)
         w.history.append({"step": step, **held_out})
     if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
+        w.doing(f"saving a checkpoint (step {step})")
+        started = time.perf_counter()
         checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": w.history},
                                     {"step": step, **last})
-        meter.started = time.perf_counter()  # keep checkpoint time out of throughput
+        w.clock.checkpoint_s = took = time.perf_counter() - started
+        w.excluded += took
+        log.info("rank %d: checkpoint at step %d took %.1f s", w.rank, step, took)
+        meter.pause(took)  # keep checkpoint time out of throughput
     return last
 
 
@@ -284,6 +364,11 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
     while position.step < phase_end:
         t_wait = time.perf_counter()
         raw = next(it, None)
+        if seen == 0:  # the first batch of a new data stream: Ray Data starts an execution for it
+            w.clock.stream_start_s = opened = time.perf_counter() - t_wait
+            w.excluded += opened
+            log.info("rank %d: seq %d data stream opened in %.1f s", w.rank,
+                     w.spec.pretrain.phases[phase_index].max_seq_length, opened)
         if raw is None:
             break
         seen += 1
@@ -299,8 +384,11 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
             continue  # inside a gradient accumulation
         position = Position(w.engine.global_steps, phase_index, epoch, index)
         meter.end_step(position.step, w.engine.get_global_grad_norm())
-        if w.rank == 0:  # the last window's figures: reading this step's loss would wait for the device
-            w.spec.progress.set(position.step, loss=last.get("loss"), seq_s=last.get("sequences_per_second", 0.0))
+        now = time.perf_counter()
+        if w.mark:
+            w.clock.step(phase_index, max(now - w.mark - w.excluded, 0.0))
+        w.mark, w.excluded = now, 0.0
+        w.report_step(position, last)
         last = after_step(w, meter, position, phase_end, last)
     if seen == 0:
         raise ValueError(f"worker {w.rank} got no batch at seq {w.spec.pretrain.phases[phase_index].max_seq_length}:"
@@ -319,8 +407,10 @@ def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: in
     started = time.perf_counter()
     out = train_step(w, batch, dropout_seed)
     w.compiled = True
+    took = time.perf_counter() - started
+    w.excluded += took  # a one-off: the ETA's step time is the compiled model's
     if w.rank == 0:
-        w.spec.progress.set(0, status=f"model compiled in {time.perf_counter() - started:.0f} s")
+        w.spec.progress.set(0, status=f"model compiled in {took:.0f} s")
     return out
 
 
@@ -333,6 +423,8 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     if phase_index != position.phase:
         position = Position(position.step, phase_index, 0, 0)
     phase = cfg.phases[phase_index]
+    w.doing(f"phase {phase_index + 1}: opening the seq {phase.max_seq_length} data")  # its first batch: a while
+    w.mark = w.mark or time.perf_counter()
     w.engine.set_train_micro_batch_size(phase.micro_batch_size)
     w.engine.set_train_batch_size(phase.global_batch_size)
     # DeepSpeed finds accumulation boundaries by micro_steps % accumulation steps; a phase (and a resume) always
@@ -366,12 +458,21 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     steps = spec.pretrain.phase_steps()
     final_phase = spec.pretrain.phases[-1] if steps[-1] else spec.pretrain.phases[0]
     # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.
+    w.doing(f"final held-out evaluation (seq {final_phase.max_seq_length})")
+    started = time.perf_counter()
     final = {"step": position.step, "resumed_from_step": resumed_from, **last,
              **evaluate(w, final_phase, training_masks=False)}
+    log.info("rank %d: final evaluation took %.1f s", w.rank, time.perf_counter() - started)
     if spec.pretrain.optimizer == "lamb":  # flat tensors with a per-parameter layout: a test proves LAMB is per layer
         final["lamb_layouts"] = mapped_layouts(w.engine)
     held_out = {k: v for k, v in final.items() if k.startswith("eval_")}
-    w.run.log_metrics(held_out, position.step)
+    w.run.log_metrics(metric_names(evaluation_series(held_out)), position.step)
     final["history"] = [*w.history, {"step": position.step, **held_out}]
+    w.doing("exporting the model")
+    started = time.perf_counter()
     checkpoints.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run)
+    log.info("rank %d: export took %.1f s", w.rank, time.perf_counter() - started)
+    w.doing("saving the last checkpoint")
+    started = time.perf_counter()
     checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": final["history"][:-1]}, final)
+    log.info("rank %d: last checkpoint took %.1f s", w.rank, time.perf_counter() - started)

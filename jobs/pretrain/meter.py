@@ -36,6 +36,9 @@ class Meter:
     def __init__(self, device=None):
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.reset()
+        # The first window of a meter (one per phase and attempt) holds the phase's start: the data pipeline's
+        # start-up, the first step (a compile), a resume's skipped batches. Its speed is no throughput figure.
+        self.steady = False
 
     def reset(self) -> None:
         """Start a new logging window (the health record is kept: a bad step is reported, not forgotten)."""
@@ -46,6 +49,12 @@ class Meter:
             # First optimizer step whose loss / gradient norm was not finite, NO_STEP while none was.
             self.first_bad = torch.full((2,), NO_STEP, dtype=torch.float64, device=self.device)
         self.started = time.perf_counter()
+        self.paused = 0.0  # seconds of the window spent on anything but training (evaluation, checkpoints)
+        self.steady = True
+
+    def pause(self, seconds: float) -> None:
+        """Leave `seconds` (an evaluation, a checkpoint) out of the window's elapsed time."""
+        self.paused += seconds
 
     def add(self, out, attention_mask: torch.Tensor, wait: float) -> None:
         """One micro-batch: `out` the model's PreTrainingOutput, `attention_mask` the batch's mask on the device."""
@@ -80,7 +89,7 @@ class Meter:
         values = torch.cat([totals, bad]).tolist()  # the window's one host read
         s = dict(zip(DEVICE_SUMS + HOST_SUMS, values))
         check_finite(values[-2:])
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)
         micro = max(s["micro_batches"], 1.0)
         return {
             "loss": s["loss"] / micro, "mlm_loss": s["mlm_loss"] / micro, "nsp_loss": s["nsp_loss"] / micro,
@@ -90,6 +99,9 @@ class Meter:
             "data_wait_fraction": s["data_wait"] / world / elapsed,
             "padding_fraction": 1.0 - s["tokens"] / max(s["slots"], 1.0),
         }
+
+
+THROUGHPUT = ("sequences_per_second", "tokens_per_second", "data_wait_fraction")  # what a non-steady window lacks
 
 
 def check_finite(bad: list[float]) -> None:

@@ -3,7 +3,9 @@
 `tracking.RunLogger.log_export` logs this file as an MLflow "model from code" with the export folder
 (model.safetensors + config.json + vocab.txt, Hugging Face layout) as its artifact. Loading runs this file and reads
 the weights with transformers' BertForPreTraining: no pickle is ever unpickled, and nothing of bertpipe is needed
-to load it (`mlflow.pyfunc.load_model("models:/<name>@latest")`).
+to load it (`mlflow.pyfunc.load_model("models:/<name>@newest")`, the alias of the newest version): this file imports
+nothing but MLflow, and MLflow keeps a copy of it with the model (tests/test_registered_model.py loads one where
+`import bertpipe` fails).
 
 predict: rows with `input_ids` (WordPiece ids of `[CLS] … [SEP]`, vocab.txt beside the weights) → the final hidden
 state of [CLS] of each row, float32 [rows, hidden_size].

@@ -7,8 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from bertpipe.model import (BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel, hf_state_dict,
                    load_pretrained, save_pretrained)
