@@ -13,6 +13,8 @@ import logging
 import sys
 import threading
 
+from bertpipe.pipeline import progress
+
 log = logging.getLogger("bertpipe.ending")
 _enabled = False
 _active = False
@@ -34,6 +36,7 @@ def begin() -> None:
     if not _enabled:
         return
     _active = True
+    progress.mute(True)  # no progress line or heartbeat either
     # Libraries' own console handlers too: MLflow's and Ray's loggers do not propagate to the CLI's handler.
     loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                       if isinstance(v, logging.Logger))]
@@ -49,6 +52,7 @@ def begin() -> None:
 def reset() -> None:
     global _active, _saved
     _active = False
+    progress.mute(False)
     if _saved is not None:
         sys.unraisablehook, threading.excepthook = _saved
         _saved = None

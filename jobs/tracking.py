@@ -45,19 +45,37 @@ OPTIMIZER_FIGURES = ("lr", "grad_norm")
 THROUGHPUT_FIGURES = ("sequences_per_second", "tokens_per_second", "examples_per_second", "data_wait_fraction",
                       "padding_fraction")
 # What the UI shows for the experiment (its description: the tag `mlflow.note.content`, Markdown).
-EXPERIMENT_DESCRIPTION = """\
-**bertpipe**: BERT pre-training from a Wikipedia dump (clean → vocab → pairs → pretrain), then fine-tuning on GLUE
-(and on request SQuAD, CoNLL-2003 NER).
 
-* One **workflow run** per `bertpipe run`, named `<config> #<n> · <date time>`: its tags name the config, the git
-  commit and the outcome; its metrics are the headline figures (`pretrain/...`, `glue/...`) to compare runs by.
-* Below it one **stage run** per stage (named by the stage): params = the stage's config, its manifest as an
+
+def unwrap(markdown: str) -> str:
+    """Markdown written wrapped at 120 columns, as MLflow's UI must get it: one line per paragraph and list item
+    (its renderer breaks the line wherever the text does)."""
+    blocks: list[str] = []
+    for line in markdown.strip().splitlines():
+        text = line.strip()
+        if not text:
+            blocks.append("")
+        elif blocks and blocks[-1] and not text.startswith(("* ", "- ")):
+            blocks[-1] += " " + text
+        else:
+            blocks.append(text)
+    return "\n".join(blocks) + "\n"
+
+
+EXPERIMENT_DESCRIPTION = unwrap("""
+**bertpipe**: BERT pre-training on Wikipedia, then fine-tuning. One workflow run per `bertpipe run`.
+
+* A **workflow run** (`<config> #<n> · <date time>`) runs clean → vocab → pairs → pretrain → finetune (and on
+  request squad, ner, features). Its tags name the config, the git commit and the outcome; its metrics are the
+  headline figures to compare runs by (`pretrain/...`, `glue/...`).
+* Below it one **stage run** per stage, named by the stage: params = the stage's config, its manifest as an
   artifact. Fine-tuning nests a run per task and per trial.
 * Metric sections: `eval/` held-out figures, `train/` training figures per logging window, `train/optimizer/`,
-  `train/throughput/` (steady windows only), `system/`; figures without a prefix are one value per run.
+  `train/throughput/` (steady windows only), `system/`; figures without a prefix are one value per run (bars).
   Accuracies are fractions in [0, 1].
-* The pre-trained model is registered as `bertpipe-<config>` (alias `newest`: the latest version).
-"""
+* The pre-trained model is registered as `bertpipe-<config>`; the alias `newest` is its latest version.
+""")
+OUR_NOTE = "**bertpipe**"  # how the experiment description the project writes starts
 EXPERIMENT_TAGS = {"mlflow.note.content": EXPERIMENT_DESCRIPTION,
                    # MLflow 3 asks what an experiment is for (GenAI or model training): this is model training.
                    "mlflow.experimentKind": "custom_model_development"}
@@ -300,7 +318,8 @@ def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config
                        tags: dict[str, str], artifact_root: str | None = None) -> RunLogger:
     """The parent run of a workflow (inactive when tracking_uri is empty: tracking off). An empty `run_name` names
     it `<config> #<n> · <date time>` (workflow_run_name). The experiment is created with its description
-    (EXPERIMENT_TAGS); an existing one gets the tags it lacks, and keeps a description of its own."""
+    (EXPERIMENT_TAGS); an existing one gets the tags it lacks and the current version of the project's description,
+    and keeps a description of the user's own."""
     if not tracking_uri:
         return RunLogger(None)
     client = _client(tracking_uri)
@@ -314,15 +333,28 @@ def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config
     else:
         experiment_id = exp.experiment_id
         for key, value in EXPERIMENT_TAGS.items():
-            if not exp.tags.get(key):
+            current = exp.tags.get(key, "")
+            if not current or (current.startswith(OUR_NOTE) and current != value):  # missing, or an older one of ours
                 client.set_experiment_tag(experiment_id, key, value)
     config_name = tags.get("bertpipe.config", "custom")
     run_name = run_name or workflow_run_name(config_name, _next_number(client, experiment_id, config_name))
-    run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **mask_data(tags)})
+    run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **mask_data(tags),
+                                                                     "mlflow.note.content": _workflow_note(tags)})
     parent = RunLogger({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run.info.run_id})
     parent.log_params(config)
     parent.log_dict(config, "resolved_config.json")
     return parent
+
+
+def _workflow_note(tags: dict[str, str]) -> str:
+    """The workflow run's description (what MLflow shows on its page)."""
+    commit = tags.get("bertpipe.git_commit", "unknown")
+    code = "" if commit == "unknown" else f" at git commit `{commit}`" + (
+        " with uncommitted changes" if tags.get("bertpipe.git_dirty") == "true" else "")
+    stages = " → ".join(tags.get("bertpipe.stages", "").split(",")) or "no stage"
+    return (f"`bertpipe run` with the config **{tags.get('bertpipe.config', 'custom')}**{code}: {stages}, one child "
+            "run per stage. Params: the whole resolved config. Metrics: the headline figures of the committed "
+            "outputs, one value each (`pretrain/...`, `glue/...`).\n")
 
 
 def workflow_run_name(config_name: str, number: int, when: float | None = None) -> str:

@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from bertpipe.pipeline import storage
 
 
+def export_of(pretrain_uri: str) -> str:
+    """Where a pre-training output folder keeps its Hugging Face-layout export: the one spelling of it, for the
+    stage that writes it and the stages that read it."""
+    return storage.join(pretrain_uri, "export")
+
+
 @dataclass(frozen=True)
 class WorkdirPaths:
     workdir: str
@@ -29,7 +35,7 @@ class WorkdirPaths:
     @property
     def pretrain_export(self) -> str:
         """The pre-trained model in Hugging Face layout: what fine-tuning starts from."""
-        return self._join("pretrain", "export")
+        return export_of(self.stage("pretrain"))
 
     @property
     def ray_results(self) -> str:

@@ -30,16 +30,27 @@ _lock = threading.RLock()
 _last_line = [time.monotonic()]
 _activities: list[Any] = []  # innermost last: Activity or Progress, anything with heartbeat()
 _watchdog: list[threading.Thread] = []
+# Where heartbeats go: the console as it was when the CLI turned progress on. A library that redirects sys.stdout
+# for a while (MLflow's model logging is run under redirect_stdout, its chatter kept off the console) must not
+# swallow a heartbeat printed from the watchdog thread meanwhile.
+_out: list[Any] = [None]
+_muted = [False]  # a failed run cleaning up: its console ends with the CLI's three lines (jobs/ending.py)
 
 
 def enable(on: bool = True) -> None:
     ENABLED["on"] = on
+    _out[0] = sys.stdout if on else None
     if on:
         printed()
         with _lock:
             if not _watchdog or not _watchdog[0].is_alive():
                 _watchdog[:] = [threading.Thread(target=_watch, name="bertpipe-heartbeat", daemon=True)]
                 _watchdog[0].start()
+
+
+def mute(on: bool = True) -> None:
+    """No progress line, status or heartbeat while `on` (a failed run cleaning up)."""
+    _muted[0] = on
 
 
 def printed() -> None:
@@ -50,7 +61,10 @@ def printed() -> None:
 def emit(text: str) -> None:
     from bertpipe.pipeline.redact import mask
 
-    print(mask(text), flush=True)  # as every console line: no credential of a URI in a label reaches the terminal
+    if _muted[0]:
+        return
+    # As every console line: masked, so no credential of a URI in a label reaches the terminal.
+    print(mask(text), file=_out[0] or sys.stdout, flush=True)
     printed()
 
 
@@ -69,7 +83,7 @@ def _watch() -> None:
 
 def heartbeat() -> None:
     """If the console has been quiet for QUIET_S: the innermost activity's line (a live bar refreshes instead)."""
-    if not ENABLED["on"]:
+    if not ENABLED["on"] or _muted[0]:
         return
     with _lock:
         top = _activities[-1] if _activities else None

@@ -122,7 +122,7 @@ def assert_closing_lines(stderr: str, first: str, resume_from: str, fixing: bool
 
 
 def runs(tracking_uri: str) -> dict[str, object]:
-    """{run name: run} of the bertpipe experiment (workflow runs are named "<config> <time>")."""
+    """{run name: run} of the bertpipe experiment (workflow runs are named "<config> #<n> · <time>")."""
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri)
@@ -335,6 +335,10 @@ def test_sigterm_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, h
     assert workflow.data.tags["bertpipe.status"] == "killed"
 
 
+# Slow (~30 s). The interrupt path during pairs (writers stopped, no temporary file, MLflow runs KILLED) is covered
+# by test_sigterm_stops_the_writers_and_marks_the_mlflow_runs_killed; SIGINT itself (exit 130, the three lines, the
+# run's Ray processes gone, both MLflow runs KILLED) by test_sigint_during_pretraining_ends_as_an_interrupt.
+@pytest.mark.slow
 @pytest.mark.integration
 def test_sigint_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, home, tmp_path, ray_tmp):
     workdir = copy_of(committed, tmp_path / "w")
@@ -389,7 +393,8 @@ def test_sigint_during_pretraining_ends_as_an_interrupt(tmp_path, ray_tmp):
     sys.path.insert(0, str(Path(__file__).parent))
     from pretrain_helpers import make_inputs
 
-    make_inputs(tmp_path / "inputs", lengths=(32,), rows_per_shard=4000, num_shards=2, heldout_rows=160)
+    make_inputs(tmp_path / "inputs", lengths=(32,), rows_per_shard=400, num_shards=2, heldout_rows=160)
+    (tmp_path / "inputs" / "pairs" / "_MANIFEST.json").unlink()  # shards from anywhere: no manifest of ours
     phase = ("[{max_seq_length: 32, max_predictions_per_seq: 5, global_batch_size: 16, micro_batch_size: 8,"
              " learning_rate: 1.0e-3, warmup_steps: 2}]")
     proc = subprocess.Popen(
@@ -397,9 +402,9 @@ def test_sigint_during_pretraining_ends_as_an_interrupt(tmp_path, ray_tmp):
          "--set", f"pretrain.input={tmp_path / 'inputs' / 'pairs'}",
          "--set", f"vocab.path={tmp_path / 'inputs' / 'vocab' / 'vocab.txt'}",
          "--set", f"pretrain.phases={phase}", "--set", "pretrain.max_steps=100000",
-         "--set", "mlflow.tracking_uri='off'"],
+         "--set", "pretrain.checkpoint_every_steps=2"],  # MLflow in the workdir's SQLite file (the default)
         cwd=tmp_path, env=cli_env(ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Interrupt once the workers have written their first checkpoint: training is under way inside fit().
+    # Interrupt once the workers have written their first checkpoint (step 2): training is under way inside fit().
     deadline = time.monotonic() + 240
     while not list((tmp_path / "w" / "ray_results").rglob("checkpoint_*")):
         assert proc.poll() is None, proc.communicate()
@@ -411,3 +416,7 @@ def test_sigint_during_pretraining_ends_as_an_interrupt(tmp_path, ray_tmp):
     assert_closing_lines(stderr, "stage pretrain interrupted by SIGINT", "pretrain", fixing=False)
     assert not (tmp_path / "w" / ".bertpipe.lock").exists()
     assert not (tmp_path / "w" / "pretrain" / "_MANIFEST.json").exists()
+    assert not (tmp_path / "w" / ".bertpipe.mlflow-runs.json").exists()  # every MLflow run closed
+    assert_writers_stopped(tmp_path / "w", ray_tmp)  # the Ray Train workers too
+    status = {name: r.info.status for name, r in runs(f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}").items()}
+    assert sorted(status.values()) == ["KILLED", "KILLED"], status

@@ -30,7 +30,7 @@ def test_ten_gpu_steps_learn_and_export_loads_in_transformers(ray_local, tmp_pat
     result = run_stage(ctx)
     history = json.loads((Path(ctx.output_uri) / "history.json").read_text())
     losses = [row["loss"] for row in history if "loss" in row]
-    assert result.final_step == 10 and len(losses) >= 4
+    assert result.metrics["step"] == 10 and len(losses) >= 4
     assert losses[-1] < losses[0] - 0.3, losses
     model, info = transformers.BertForPreTraining.from_pretrained(Path(ctx.output_uri) / "export",
                                                                    output_loading_info=True)

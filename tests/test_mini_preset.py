@@ -1,6 +1,7 @@
 """The `mini` preset as a user runs it (its own relative input paths, resolved from the repository root), made
-short: twice with the same seed, every fingerprinted output of clean, vocab, pairs and pretrain has the same bytes,
-and pretrain writes its learning figures (baselines, held-out accuracy, curves) beside the export."""
+short: pretrain writes its learning figures (baselines, held-out accuracy, curves) beside the export, and (slow: a
+second whole run) twice with the same seed, every fingerprinted output of clean, vocab, pairs and pretrain has the
+same bytes."""
 from __future__ import annotations
 
 import hashlib
@@ -32,15 +33,23 @@ def output_digests(workdir: Path) -> dict[str, str]:
     return digests
 
 
-@pytest.fixture(scope="module")
-def two_runs(ray_local, sample_dumps, tmp_path_factory, monkeypatch_module):
+def run_mini(name: str, tmp_path_factory, monkeypatch_module) -> Path:
     monkeypatch_module.chdir(REPO)  # the preset's dump paths are relative, as a user at the repo root types them
-    runs = []
-    for name in ("a", "b"):
-        workdir = tmp_path_factory.mktemp(f"mini-{name}")
-        workflow.run(load_config("mini", SHORT, str(workdir)), only=STAGES)
-        runs.append(workdir)
-    return runs
+    workdir = tmp_path_factory.mktemp(f"mini-{name}")
+    workflow.run(load_config("mini", SHORT, str(workdir)), only=STAGES)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def mini_run(ray_local, sample_dumps, tmp_path_factory, monkeypatch_module) -> Path:
+    """One short run of the preset (the default suite pays for this one only)."""
+    return run_mini("a", tmp_path_factory, monkeypatch_module)
+
+
+@pytest.fixture(scope="module")
+def two_runs(mini_run, tmp_path_factory, monkeypatch_module) -> list[Path]:
+    """The same run again with the same seed (a second whole workflow: only the slow test below pays for it)."""
+    return [mini_run, run_mini("b", tmp_path_factory, monkeypatch_module)]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +58,13 @@ def monkeypatch_module():
         yield mp
 
 
+# A second whole workflow (~90 s on 2 cores). Each stage's same-seed determinism is covered by a faster test:
+# clean by test_clean_stage.py::test_enwiki_sample_end_to_end_and_deterministic, vocab by
+# test_vocab.py::test_train_on_real_corpus_has_google_layout (a fresh interpreter writes the same bytes), pairs by
+# test_pairs_stage.py::test_same_seed_same_bytes_other_seed_differs, pretrain by test_pretrain.py::
+# test_rerun_stage_resumes and test_pretrain_lamb.py::test_lamb_resumes_bit_exactly_from_a_checkpoint (the same
+# seed twice: bit-identical weights, the same history.json and baselines.json).
+@pytest.mark.slow
 def test_same_seed_gives_the_same_bytes_at_every_stage(two_runs):
     a, b = (output_digests(w) for w in two_runs)
     assert a == b
@@ -56,8 +72,8 @@ def test_same_seed_gives_the_same_bytes_at_every_stage(two_runs):
     assert "pretrain/export/model.safetensors" in a
 
 
-def test_pretrain_writes_the_learning_figures(two_runs):
-    workdir = two_runs[0]
+def test_pretrain_writes_the_learning_figures(mini_run):
+    workdir = mini_run
     manifest = read_manifest(str(workdir / "pretrain"))
     metrics = manifest["metrics"]
     # the preset reads both English dumps of the sample, not just the first

@@ -1,6 +1,8 @@
 """The docs cannot drift from the code: every command the READMEs show parses with the real CLI or exists.
 
-The commands themselves run elsewhere: `make test` is CI, `bertpipe run/status/submit/jobs` run in
+The commands themselves run elsewhere: `make test` is CI, `make run` and the README's follow-up block after it
+(`make status`, `make ui`, `. .venv/bin/activate`, `bertpipe status`) in test_first_hour.py (a fresh clone, a shell
+without the venv on PATH), `bertpipe run/status/submit/jobs` run in
 test_workflow.py and test_cluster_e2e.py, `bertpipe config` / `--version` / `submit` / `jobs` in test_cli_habits.py,
 `infra/local/cluster.sh` in test_infra.py.
 """
@@ -58,6 +60,15 @@ def test_make_targets_in_the_docs_exist():
     targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
     for doc, command in _commands("make "):
         assert command.split()[1] in targets, f"{doc}: {command}"
+
+
+def test_every_make_command_in_the_readme_is_run_by_a_test():
+    """`make run` / `make test` run in CI (.ci/run) and in test_first_hour.py; every other make command the README
+    shows must be in its follow-up block, which test_first_hour.py runs in a clean shell."""
+    from test_first_hour import readme_follow_up
+
+    shown = {command for doc, command in _commands("make ") if doc == "README.md"}
+    assert shown - {"make run", "make test"} <= set(readme_follow_up()), shown
 
 
 def test_docs_name_existing_files():

@@ -16,6 +16,7 @@ import torch
 from bertpipe.jobs.pretrain.stage import MODEL_DESCRIPTION, register
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
+from conftest import REPO
 from pretrain_helpers import TOKENS
 
 ROWS = [[2, 10, 11, 3, 12, 3], [2, 20, 3, 21, 22, 23, 3]]
@@ -31,7 +32,8 @@ except ImportError:
     pass
 else:
     raise SystemExit(f"bertpipe is importable from {bertpipe.__path__}")
-assert not any("work/main" in p or p.endswith("/repo") for p in sys.path if p), sys.path
+import os
+assert sys.argv[4] not in [os.path.abspath(p or ".") for p in sys.path], sys.path  # the repo is not on the path
 import numpy as np, pandas as pd, mlflow.pyfunc
 model = mlflow.pyfunc.load_model(sys.argv[2])
 np.save(sys.argv[3], model.predict(pd.DataFrame({"input_ids": %r})))
@@ -65,11 +67,12 @@ def test_registered_export_has_no_pickle_and_loads_without_bertpipe(tmp_path):
         versions.append(client.get_model_version_by_alias("bertpipe-test", MODEL_ALIAS))
 
     first, newest = versions
-    assert (first.version, newest.version) == ("1", "2")
+    assert (int(first.version), int(newest.version)) == (1, 2)
     assert client.get_registered_model("bertpipe-test").description == MODEL_DESCRIPTION
+    assert "\n" not in MODEL_DESCRIPTION.split("\n\n")[0]  # MLflow's Markdown: one line per paragraph
     assert newest.description == "version from seed 1"
     assert newest.tags == {"bertpipe.config": "tiny", "bertpipe.data": "pairs-1", "bertpipe.git_commit": "abc1234"}
-    assert client.get_registered_model("bertpipe-test").aliases == {MODEL_ALIAS: "2"}
+    assert {k: int(v) for k, v in client.get_registered_model("bertpipe-test").aliases.items()} == {MODEL_ALIAS: 2}
 
     files = [p for p in (tmp_path / "artifacts").rglob("*") if p.is_file()]
     names = {p.name for p in files}
@@ -89,7 +92,7 @@ def test_registered_export_has_no_pickle_and_loads_without_bertpipe(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env["MLFLOW_TRACKING_URI"] = uri
     proc = subprocess.run([sys.executable, "-S", "-c", WITHOUT_BERTPIPE, sysconfig.get_paths()["purelib"],
-                           f"models:/bertpipe-test@{MODEL_ALIAS}", str(tmp_path / "out.npy")],
+                           f"models:/bertpipe-test@{MODEL_ALIAS}", str(tmp_path / "out.npy"), str(REPO)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loaded without bertpipe: []" in proc.stdout, proc.stdout

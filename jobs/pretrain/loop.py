@@ -10,6 +10,7 @@ uninterrupted run computes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ log = logging.getLogger("bertpipe.pretrain")
 # The training figures of a logging window that go into the curves.
 CURVE_KEYS = ("loss", "mlm_loss", "mlm_accuracy", "nsp_accuracy")
 EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase
+EVAL_BATCH = eta.EVAL_BATCH  # sequences per held-out batch
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ class Worker:
     # The ETA (eta.py): what rank 0 measured, and the time of the last optimizer step with the seconds since then
     # spent on things the clock prices apart (data stream starts, evaluations, checkpoints).
     clock: eta.Clock = field(default_factory=eta.Clock)
+    heldout: dict[int, list] = field(default_factory=dict)  # seq length -> this worker's held-out batches
+    opened: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (phase, epoch) -> (first batch, the rest)
     mark: float = 0.0
     excluded: float = 0.0
 
@@ -241,12 +245,67 @@ def forward(w: Worker, b: dict[str, torch.Tensor]):
                     b["masked_lm_labels"], b["next_sentence_label"])
 
 
+def heldout_batches(w: Worker, phase: PhaseConfig) -> list[dict[str, np.ndarray]]:
+    """This worker's held-out rows at the phase's length (at most eval_max_batches batches of EVAL_BATCH), read
+    once: every evaluation reuses them instead of opening a Ray Data stream again (seconds each on a small
+    machine). The first batch's wait is a data stream's start for the ETA."""
+    import ray.train
+
+    length = phase.max_seq_length
+    if length not in w.heldout:
+        shard = ray.train.get_dataset_shard(f"heldout_{length}")
+        batches: list[dict[str, np.ndarray]] = []
+        started = time.perf_counter()
+        for raw in shard.iter_batches(batch_size=EVAL_BATCH, batch_format="numpy", drop_last=False,
+                                      prefetch_batches=2):
+            if not batches:
+                w.clock.stream_start_s = max(w.clock.stream_start_s or 0.0, time.perf_counter() - started)
+            if len(batches) >= w.spec.pretrain.eval_max_batches:
+                break
+            batches.append(raw)
+        w.heldout[length] = batches
+        log.info("rank %d: %d held-out batches at seq %d read in %.1f s", w.rank, len(batches), length,
+                 time.perf_counter() - started)
+    return w.heldout[length]
+
+
+def open_streams(w: Worker, position: Position) -> None:
+    """Before the first step, every data stream the run opens at a known time, opened at once (in threads: Ray
+    Data starts an execution for each, seconds each on a small machine, mostly waiting on processes): each
+    phase's held-out rows (read whole: every evaluation reuses them) and the first training epoch of every phase
+    still to train, its first micro-batches pulled (run_epoch goes on from there). No phase switch and no
+    evaluation waits for a stream mid-training, and what is left after any step is predictable (eta.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = w.spec.pretrain
+    ends = np.cumsum(cfg.phase_steps())
+    jobs = {}
+    for q, (phase, steps) in enumerate(zip(cfg.phases, cfg.phase_steps())):
+        if not steps:
+            continue
+        jobs[f"held-out seq {phase.max_seq_length}"] = (heldout_batches, w, phase)
+        if ends[q] > position.step and q >= position.phase:
+            epoch = position.epoch if q == position.phase else 0
+            jobs[f"training seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch)
+    w.doing(f"opening the data streams ({', '.join(jobs)})")
+    with ThreadPoolExecutor(max_workers=max(len(jobs), 1), thread_name_prefix="open-stream") as pool:
+        for future in [pool.submit(*job) for job in jobs.values()]:
+            future.result()
+
+
+def _open_epoch(w: Worker, phase_index: int, epoch: int) -> None:
+    started = time.perf_counter()
+    it = iter(epoch_batches(w, phase_index, epoch))
+    w.opened[(phase_index, epoch)] = (next(it, None), it)
+    opened = time.perf_counter() - started
+    w.clock.stream_start_s = max(w.clock.stream_start_s or 0.0, opened)
+    log.info("rank %d: training stream phase %d epoch %d opened in %.1f s", w.rank, phase_index, epoch, opened)
+
+
 def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict[str, float]:
     """Held-out MLM/NSP accuracy with a fixed masking seed, summed over all workers (every rank runs the same
     number of forwards: ZeRO-3 gathers parameters collectively)."""
-    import ray.train
-
-    shard = ray.train.get_dataset_shard(f"heldout_{phase.max_seq_length}")
+    batches = heldout_batches(w, phase)
     spec = masking_spec(w, phase, training_masks)
     if compile_enabled(w.spec.pretrain) and not w.eval_compiled and w.rank == 0:
         w.spec.progress.set(w.engine.global_steps, status="compiling the model for evaluation (first evaluation)")
@@ -256,10 +315,7 @@ def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict
     sequences = 0  # known on the host: no device tensor needed
     w.engine.eval()
     with torch.no_grad():
-        it = shard.iter_batches(batch_size=32, batch_format="numpy", drop_last=False, prefetch_batches=2)
-        for i, raw in enumerate(it):
-            if i >= w.spec.pretrain.eval_max_batches:
-                break
+        for i, raw in enumerate(batches):
             out = forward(w, to_device(collate(raw, spec, batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, i)),
                                        w.device))
             totals += torch.stack([out.mlm_correct.float(), out.mlm_count.float(), out.nsp_correct.float(),
@@ -360,11 +416,15 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
     phase_index, epoch, skip = position.phase, position.epoch, position.batch
     spec = masking_spec(w, w.spec.pretrain.phases[phase_index])
     seen, index = 0, 0
-    it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch)
+    ahead = w.opened.pop((phase_index, epoch), None) if batches is None else None  # open_streams opened it
+    if ahead is not None:
+        it = itertools.chain([ahead[0]] if ahead[0] is not None else [], ahead[1])
+    else:
+        it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch)
     while position.step < phase_end:
         t_wait = time.perf_counter()
         raw = next(it, None)
-        if seen == 0:  # the first batch of a new data stream: Ray Data starts an execution for it
+        if seen == 0 and ahead is None:  # the first batch of a new data stream: Ray Data starts an execution
             w.clock.stream_start_s = opened = time.perf_counter() - t_wait
             w.excluded += opened
             log.info("rank %d: seq %d data stream opened in %.1f s", w.rank,
@@ -423,7 +483,7 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     if phase_index != position.phase:
         position = Position(position.step, phase_index, 0, 0)
     phase = cfg.phases[phase_index]
-    w.doing(f"phase {phase_index + 1}: opening the seq {phase.max_seq_length} data")  # its first batch: a while
+    w.doing(f"phase {phase_index + 1}: seq {phase.max_seq_length}")
     w.mark = w.mark or time.perf_counter()
     w.engine.set_train_micro_batch_size(phase.micro_batch_size)
     w.engine.set_train_batch_size(phase.global_batch_size)
@@ -442,6 +502,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec: WorkerSpec = config["spec"]
     w = setup(spec)
     position = restore(w)
+    open_streams(w, position)
     resumed_from, last = position.step, {}
     try:
         for phase_index in range(len(spec.pretrain.phases)):

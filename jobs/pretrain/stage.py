@@ -27,8 +27,9 @@ from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
 from bertpipe.jobs.pretrain.meter import NonFiniteError
-from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger
+from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline import storage
+from bertpipe.pipeline.paths import export_of
 from bertpipe.pipeline.progress import doing, remote_progress
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
@@ -140,7 +141,7 @@ def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name:
     tokens = load_vocab(vocab_uri)  # validated: special tokens present, no duplicates
     return WorkerSpec(pretrain=cfg, model=ctx.config["model"], seed=ctx.seed, vocab_tokens=tokens,
                       vocab_bytes=storage.read_bytes(vocab_uri), tracking=dict(ctx.tracking),
-                      export_uri=storage.join(ctx.output_uri, "export"), storage_path=storage_path, run_name=name)
+                      export_uri=export_of(ctx.output_uri), storage_path=storage_path, run_name=name)
 
 
 def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
@@ -163,17 +164,18 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
         dataset_config=ray.train.DataConfig(execution_options=ExecutionOptions(preserve_order=True)))
 
 
-MODEL_DESCRIPTION = f"""\
-BERT pre-trained by bertpipe (masked LM + next-sentence prediction) on Wikipedia text. Each version is one
-pre-training; its tags name the config (`bertpipe.config`, `bertpipe.config_hash`), the training data (`bertpipe.data`:
-the pairs stage's output id) and the code (`bertpipe.git_commit`). The alias `{MODEL_ALIAS}` is the latest version.
+MODEL_DESCRIPTION = unwrap(f"""
+BERT pre-trained by bertpipe (masked LM + next-sentence prediction) on Wikipedia text. One version per
+pre-training: its description says what it reached on held-out data, its tags name the config (`config`,
+`config_hash`), the training data (`data`: the pairs stage's output id) and the code (`git_commit`). The alias
+`{MODEL_ALIAS}` is the latest version.
 
-Load it without bertpipe (needs torch, transformers, safetensors): `mlflow.pyfunc.load_model("models:/<name>@{MODEL_ALIAS}")`.
-The model is code plus weights, no pickle. `predict` takes a DataFrame with a column `input_ids` (WordPiece ids of
-`[CLS] … [SEP]`, the vocabulary is `vocab.txt` beside the weights) and returns float32 [rows, hidden_size]: each
-row's final hidden state of `[CLS]`. The Hugging Face folder (config.json, model.safetensors, vocab.txt) is the
-model's artifact `artifacts/export`.
-"""
+Load it without bertpipe (needs torch, transformers, safetensors):
+`mlflow.pyfunc.load_model("models:/<name>@{MODEL_ALIAS}")`. The model is code plus weights, no pickle. `predict`
+takes a DataFrame with a column `input_ids` (WordPiece ids of `[CLS] … [SEP]`; the vocabulary is `vocab.txt`
+beside the weights) and returns float32 [rows, hidden_size]: each row's final hidden state of `[CLS]`. The Hugging
+Face folder (config.json, model.safetensors, vocab.txt) is the model's artifact `artifacts/export`.
+""")
 # The pre-training figures that are one value per run: the stage run's summary in MLflow (the series are logged by
 # the workers under jobs/tracking.py's names).
 SUMMARY = ("baseline_mlm_accuracy", "baseline_nsp_accuracy", "nsp_overlap_rule_accuracy", "eval_mlm_over_baseline",
@@ -181,31 +183,40 @@ SUMMARY = ("baseline_mlm_accuracy", "baseline_nsp_accuracy", "nsp_overlap_rule_a
 
 
 def model_card(ctx: StageContext, metrics: dict[str, float], run: RunLogger) -> tuple[str, dict[str, str]]:
-    """(description, tags) of the registered model version made by this pre-training: which config, data and
-    code, and what it reached on the held-out data."""
+    """(description, tags) of the registered model version made by this pre-training: what it reached on the
+    held-out data first (the versions table shows the description's start), then which config, data and code."""
     tags, parent = run.tags(), run.parent_tags()
     inputs = {name: ((i.manifest or {}).get("output_id") or i.uri) for name, i in ctx.inputs.items()}
-    out = {"bertpipe.config_hash": stable_hash({"config": {k: to_dict(v) for k, v in ctx.config.items()},
-                                                 "seed": ctx.seed})[:12],
-           "bertpipe.data": inputs.get("pairs", ""), "bertpipe.vocab": inputs.get("vocab", ""),
-           "bertpipe.steps": str(int(metrics.get("step", 0)))}
-    if parent.get("bertpipe.config"):
-        out["bertpipe.config"] = parent["bertpipe.config"]
+    out = {"config": parent.get("bertpipe.config", ""),
+           "config_hash": stable_hash({"config": {k: to_dict(v) for k, v in ctx.config.items()},
+                                       "seed": ctx.seed})[:12],
+           "data": inputs.get("pairs", ""), "vocab": inputs.get("vocab", ""),
+           "steps": str(int(metrics.get("step", 0)))}
     if tags.get("bertpipe.git_commit", "unknown") != "unknown":  # a git checkout
-        out["bertpipe.git_commit"] = tags["bertpipe.git_commit"] + ("-dirty" if tags.get("bertpipe.git_dirty") == "true"
-                                                                    else "")
-    cfg: PretrainConfig = ctx.config["pretrain"]
-    lengths = [p.max_seq_length for p, n in zip(cfg.phases, cfg.phase_steps()) if n]
-    text = (f"{ctx.config['model'].preset} BERT, {out['bertpipe.steps']} optimizer steps at seq "
-            f"{' then '.join(map(str, lengths))}, on pairs output `{out['bertpipe.data']}`")
-    if parent.get("mlflow.runName"):
-        text += f", by workflow run `{parent['mlflow.runName']}`"
+        out["git_commit"] = tags["bertpipe.git_commit"] + ("-dirty" if tags.get("bertpipe.git_dirty") == "true" else "")
+    out = {k: v for k, v in out.items() if v}
     figures = [f"{what} {metrics[f'eval_{task}_accuracy']:.3f}"
-               + (f" (majority baseline {metrics[f'baseline_{task}_accuracy']:.3f})"
+               + (f" (baseline {metrics[f'baseline_{task}_accuracy']:.3f})"
                   if f"baseline_{task}_accuracy" in metrics else "")
                for task, what in (("mlm", "MLM accuracy"), ("nsp", "NSP accuracy"))
                if f"eval_{task}_accuracy" in metrics]
-    return text + (". Held-out " + ", ".join(figures) + "." if figures else "."), out
+    cfg: PretrainConfig = ctx.config["pretrain"]
+    lengths = [p.max_seq_length for p, n in zip(cfg.phases, cfg.phase_steps()) if n]
+    text = ("Held-out " + ", ".join(figures) + ". " if figures else "") + (
+        f"{ctx.config['model'].preset} BERT, {out['steps']} optimizer steps at seq "
+        f"{' then '.join(map(str, lengths))}, on pairs output `{out.get('data', '')}`")
+    if parent.get("mlflow.runName"):
+        text += f", by workflow run `{parent['mlflow.runName']}`"
+    return text + ".", out
+
+
+def log_summary(run: RunLogger, metrics: dict[str, float]) -> None:
+    """The run's one-value figures, at step 0 (the workers logged the series). The manifest's names are not
+    MLflow's, so the stage hands the workflow mlflow_summary={}: it adds only its own (rows, bytes, seconds)."""
+    run.log_metrics({**{k: metrics[k] for k in SUMMARY if k in metrics},
+                     "heldout_sequences": metrics.get("eval_sequences")})
+    if metrics.get("resumed_from_step"):
+        run.set_tag("bertpipe.resumed_from_step", str(int(metrics["resumed_from_step"])))
 
 
 def register(run: RunLogger, export_uri: str, registered_name: str, version_description: str = "",
@@ -294,14 +305,13 @@ def run_stage(ctx: StageContext) -> StageResult:
             metrics[f"eval_{task}_over_baseline"] = metrics[f"eval_{task}_accuracy"] / baseline
     metrics["seconds"] = time.time() - started
     storage.write_text_atomic(storage.join(ctx.output_uri, "metrics.json"), json.dumps(metrics, indent=2))
-    with doing(f"pretrain: registering the model in MLflow as {ctx.tracking.get('registered_model', '')}"):
-        model_uri = register(run, spec.export_uri, ctx.tracking.get("registered_model", ""),
-                             *model_card(ctx, metrics, run) if run.active else ())
+    registered = ctx.tracking.get("registered_model", "")
+    with doing(f"pretrain: registering the model in MLflow as {registered}"):
+        model_uri = register(run, spec.export_uri, registered,
+                             *(model_card(ctx, metrics, run) if run.active and registered else ()))
     log.info("pretrain: %.1f s after training (baselines, curves, registration)", time.perf_counter() - tail)
-    summary = {**{k: metrics[k] for k in SUMMARY if k in metrics}, "heldout_sequences": metrics.get("eval_sequences")}
-    if metrics.get("resumed_from_step"):
-        run.set_tag("bertpipe.resumed_from_step", str(int(metrics["resumed_from_step"])))
-    return StageResult(num_rows=int(metrics.get("step", 0)), metrics=metrics, mlflow_summary=summary,
+    log_summary(run, metrics)
+    return StageResult(num_rows=int(metrics.get("step", 0)), metrics=metrics, mlflow_summary={},
                        extra={"export": spec.export_uri, "checkpoints": storage.join(storage_path, spec.run_name),
                               "mlflow_model": model_uri,
                               "train_rows": rows, "checkpoint": result.checkpoint.path if result.checkpoint else ""},

@@ -1,0 +1,97 @@
+"""The pieces behind "no silent minute": the pre-training ETA's arithmetic (jobs/pretrain/eta.py) and the console's
+heartbeat (pipeline/progress.py). The whole, on a real run, is tests/test_first_hour.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from bertpipe.jobs.config import load_config
+from bertpipe.jobs.pretrain import eta
+from bertpipe.pipeline import progress
+
+
+@pytest.fixture
+def tiny():
+    cfg = load_config("tiny", [], None)  # 36 steps at seq 128, 4 at seq 512; evaluation and checkpoint at 20
+    schedule = eta.Schedule(cfg.pretrain, cfg.model, 8192, 2, {0: 5698, 1: 1818}, {0: 144, 1: 45})
+    clock = eta.Clock()
+    for _ in range(10):
+        clock.step(0, 0.2)
+    return cfg, schedule, clock
+
+
+def test_nothing_measured_no_eta(tiny):
+    cfg, schedule, _ = tiny
+    assert eta.seconds_left(schedule, eta.Clock(), 0, 0) is None
+
+
+def test_the_phase_switch_is_priced_by_its_compute(tiny):
+    cfg, schedule, clock = tiny
+    ratio = eta.step_cost(cfg.model, 8192, cfg.pretrain.phases[1]) / eta.step_cost(cfg.model, 8192,
+                                                                                   cfg.pretrain.phases[0])
+    assert ratio > 1.2  # seq 512: attention and the MLM head grow faster than the tokens per step
+    # From the last step of phase 1: phase 2's 4 steps at the scaled step time, then the end.
+    end = eta.seconds_left(schedule, clock, 40, 1)
+    assert eta.seconds_left(schedule, clock, 36, 0) - end == pytest.approx(4 * 0.2 * ratio)
+
+
+def test_evaluations_and_checkpoints_count_once_measured(tiny):
+    cfg, schedule, clock = tiny
+    before = eta.seconds_left(schedule, clock, 19, 0) - eta.seconds_left(schedule, clock, 21, 0)
+    clock.eval_s[0], clock.checkpoint_s = 7.0, 3.0
+    after = eta.seconds_left(schedule, clock, 19, 0) - eta.seconds_left(schedule, clock, 21, 0)
+    assert after - before == pytest.approx(7.0 + 3.0 - (before - 2 * 0.2), rel=1e-6)
+    # the end always holds the final evaluation, the export and the last checkpoint
+    assert eta.seconds_left(schedule, clock, 40, 1) > 3.0
+
+
+def test_epoch_boundaries_open_streams_but_not_a_phase_first(tiny):
+    cfg, _, clock = tiny
+    clock.stream_start_s = 5.0
+    # 12 steps per epoch of phase 1 (200 rows per worker / micro-batch 16): 36 steps = 3 streams, the first opened
+    # before training; phase 2 within one epoch.
+    small = eta.Schedule(cfg.pretrain, cfg.model, 8192, 2, {0: 200, 1: 1818}, {0: 144, 1: 45})
+    big = eta.Schedule(cfg.pretrain, cfg.model, 8192, 2, {0: 5698, 1: 1818}, {0: 144, 1: 45})
+    assert eta.seconds_left(small, clock, 1, 0) - eta.seconds_left(big, clock, 1, 0) == pytest.approx(2 * 5.0)
+    # after step 24 the third epoch's stream is still to open (with step 25), after step 25 it is open
+    assert eta.seconds_left(small, clock, 24, 0) - eta.seconds_left(big, clock, 24, 0) == pytest.approx(5.0)
+    assert eta.seconds_left(small, clock, 25, 0) == pytest.approx(eta.seconds_left(big, clock, 25, 0))
+
+
+def test_a_million_steps_cost_no_time_to_estimate():
+    cfg = load_config("bert_large", [], None)
+    schedule = eta.Schedule(cfg.pretrain, cfg.model, 30522, 2, {}, {})
+    clock = eta.Clock()
+    clock.step(0, 1.0)
+    started = time.perf_counter()
+    for step in range(1, 200):
+        eta.seconds_left(schedule, clock, step, 0)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_progress_prefers_the_work_s_own_estimate_plus_the_driver_tail():
+    shown = progress.Progress("pretrain", 40, "steps", tail_s=6.0)
+    shown.set(10, eta_s=20.0, eta_at=time.time() - 5.0)
+    assert shown.eta() == pytest.approx(21.0, abs=0.5)
+    assert "ETA 0:00:2" in shown.line()
+
+
+def test_a_quiet_console_hears_what_runs(capsys, monkeypatch):
+    """The heartbeat names the innermost activity once the console has been quiet for QUIET_S, and no sooner."""
+    monkeypatch.setattr(progress, "QUIET_S", 0.3)
+    progress.enable(True)
+    try:
+        with progress.doing("pretrain: running"):
+            with progress.doing("registering the model in MLflow"):
+                progress.heartbeat()
+                assert capsys.readouterr().out == ""
+                time.sleep(0.35)
+                progress.heartbeat()
+                progress.heartbeat()  # just printed: quiet again only QUIET_S later
+        time.sleep(0.35)
+        progress.heartbeat()  # nothing runs: nothing to say
+    finally:
+        progress.enable(False)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("  registering the model in MLflow · 0:00:00"), lines

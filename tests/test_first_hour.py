@@ -1,0 +1,353 @@
+"""A user's first hour, as the user lives it: a fresh clone, `make run` (the README's first command) on a machine
+where DeepSpeed never built its CPU op, then the README's follow-up commands in a clean shell (no venv on PATH).
+
+The clone is `git clone` of this repository with the working tree's uncommitted files copied over (the tree under
+test). Its `.venv` is made as `make setup` makes it, minus the downloads: a venv of the same Python whose
+site-packages path lists this test environment's (the same pinned stack), the clone installed into it editable
+(`pip install -e`, offline) and the console scripts of the stack (mlflow, ray, ...) beside its python;
+`.venv/.installed` is then newer than pyproject.toml, so `make run` goes straight to `bertpipe fetch-sample`
+(offline too: the gensim wheel is copied into the clone's data/downloads, and fetch-sample extracts the dumps
+from it) and the run. DeepSpeed's JIT cache is an empty folder (TORCH_EXTENSIONS_DIR), as on a new machine.
+
+Checked on that one run: the console (at most 80 lines, never silent for more than 15 s, the op build announced,
+each stage's summary in its own unit, where everything is at the end), the pre-training ETA against the time the
+stage really took, and the commands the README and the end of the run print, run as printed in a shell without
+the venv: `make status`, `make ui` (serves the run's store on 127.0.0.1, then stopped like Ctrl-C does),
+`. .venv/bin/activate` then `bertpipe`, the printed `.venv/bin/mlflow ui ...` and its run URL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
+UNITS = {"clean": "documents", "vocab": "vocabulary entries", "pairs": "instances", "pretrain": "steps",
+         "finetune": "trials"}
+MAX_LINES, MAX_SILENCE_S, ETA_TOLERANCE = 80, 15.0, 0.25
+
+
+def _copy_tree_under_test(dest: Path) -> None:
+    """`git clone` of the repo, then the working tree's modified and untracked (not ignored) files over it, and
+    its deletions: the clone holds exactly the tree under test."""
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], check=True, timeout=120)
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src, dst = REPO / rel, dest / rel
+        if src.is_file():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
+        elif not src.exists() and dst.exists():
+            dst.unlink()
+
+
+def _venv_without_downloads(clone: Path) -> None:
+    venv = clone / ".venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                                  check=True).stdout.strip())
+    # A path line in a .pth: this environment's packages importable, without running its own .pth files (its
+    # editable finder would import the repo's code instead of the clone's).
+    (purelib / "_bertpipe_test_stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                    "--no-build-isolation", "-e", str(clone)], check=True, capture_output=True, timeout=300)
+    here, there = Path(sys.executable).parent, venv / "bin"
+    shebang = f"#!{here / 'python'}".encode()
+    for script in here.iterdir():
+        target = there / script.name
+        if target.exists() or not script.is_file():
+            continue
+        data = script.read_bytes()
+        if data.startswith(shebang + b"\n") or data.startswith(shebang + b" "):
+            target.write_bytes(f"#!{there / 'python'}".encode() + data[len(shebang):])
+            target.chmod(0o755)
+    (venv / ".installed").touch()  # newer than pyproject.toml and constraints.txt: make skips setup
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The user's shell: no venv on PATH, no virtualenv, no tracking URI or Ray address of the test session."""
+    drop = {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "MAKEFLAGS", "MFLAGS",
+            "MAKELEVEL"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and not p.rstrip("/").endswith("/.venv/bin")
+                                  and Path(p).resolve() != Path(sys.executable).parent.resolve())
+    return {**env, **extra}
+
+
+def _read_lines(stream, out: list, t0: float) -> None:
+    for line in stream:
+        out.append((time.monotonic() - t0, time.time(), line.rstrip("\n")))
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory, sample_dumps):
+    for tool in ("git", "make", "bash"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool}")
+    wheels = sorted((REPO / "data" / "downloads").glob("gensim-4.4.0-*.whl"))
+    if not wheels:
+        pytest.skip("the gensim wheel is not in data/downloads (bertpipe fetch-sample puts it there)")
+    dest = tmp_path_factory.mktemp("first-hour") / "bertpipe"
+    _copy_tree_under_test(dest)
+    _venv_without_downloads(dest)
+    (dest / "data" / "downloads").mkdir(parents=True)
+    shutil.copy2(wheels[0], dest / "data" / "downloads" / wheels[0].name)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def made_run(clone):
+    """`make run` in the clone, each console line (stdout and stderr) with its arrival time."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="bpfh-", dir="/tmp"))  # Ray's socket paths must stay short
+    ops = Path(tempfile.mkdtemp(prefix="bpfh-ops-"))  # DeepSpeed's JIT cache, empty: a new machine
+    env = clean_env(RAY_TMPDIR=str(ray_tmp), TORCH_EXTENSIONS_DIR=str(ops))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["make", "run"], cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    out, err = [], []
+    readers = [threading.Thread(target=_read_lines, args=(proc.stdout, out, t0), daemon=True),
+               threading.Thread(target=_read_lines, args=(proc.stderr, err, t0), daemon=True)]
+    for r in readers:
+        r.start()
+    try:
+        proc.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # our own make and what it started
+        proc.wait()
+    for r in readers:
+        r.join(timeout=30)
+    ended = time.monotonic() - t0
+    lines = sorted(out + err, key=lambda x: x[0])
+    yield {"rc": proc.returncode, "lines": lines, "stdout": [l for _, _, l in sorted(out)], "ended": ended,
+           "clone": clone, "workdir": clone / "work" / "tiny", "env": clean_env()}
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    shutil.rmtree(ops, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def run_ok(made_run):
+    text = "\n".join(l for _, _, l in made_run["lines"])
+    assert made_run["rc"] == 0, text[-6000:]
+    return made_run
+
+
+def _line(run: dict, prefix: str) -> str:
+    found = [l for l in run["stdout"] if l.startswith(prefix)]
+    assert found, f"no line starting {prefix!r}:\n" + "\n".join(run["stdout"])
+    return found[-1]
+
+
+# -- item 2: no silent minute ------------------------------------------------------------------------------------
+
+
+def test_console_of_make_run_is_short_and_never_silent(run_ok):
+    times = [0.0] + [t for t, _, _ in run_ok["lines"]] + [run_ok["ended"]]
+    gaps = [(b - a, i) for i, (a, b) in enumerate(zip(times, times[1:]))]
+    longest, where = max(gaps)
+    listing = "\n".join(f"{t:7.1f} {l}" for t, _, l in run_ok["lines"])
+    print(f"make run: {len(run_ok['lines'])} console lines, longest silence {longest:.1f} s, {run_ok['ended']:.0f} s")
+    assert len(run_ok["lines"]) <= MAX_LINES, listing
+    assert longest <= MAX_SILENCE_S, f"{longest:.1f} s of silence before line {where}:\n{listing}"
+
+
+def test_a_new_machine_is_told_that_deepspeed_builds_its_op(run_ok):
+    stdout = run_ok["stdout"]
+    announced = [i for i, l in enumerate(stdout) if "building DeepSpeed's CPU communication op" in l]
+    built = [i for i, l in enumerate(stdout) if re.search(r"DeepSpeed op built in \d+ s", l)]
+    assert announced and built and announced[0] < built[0], "\n".join(stdout)
+
+
+def test_each_stage_summary_uses_its_own_unit(run_ok):
+    for stage, unit in UNITS.items():
+        assert re.fullmatch(rf"  {stage} done: [\d,]+ {unit} in [\d.]+ s", _line(run_ok, f"  {stage} done: "))
+        assert re.fullmatch(rf"{stage} +ran +[\d,]+ {unit}  [\d.]+ s", _line(run_ok, f"{stage} "))
+    assert not any(" rows" in l for l in run_ok["stdout"]), "\n".join(run_ok["stdout"])
+
+
+def _eta_seconds(text: str) -> float:
+    h, m, s = (int(x) for x in re.search(r"ETA (\d+):(\d\d):(\d\d)", text).groups())
+    return 3600 * h + 60 * m + s
+
+
+def test_pretrain_eta_is_within_a_quarter_of_the_truth_from_step_10(run_ok):
+    """Every ETA the progress reported at step 10 or later (each one is in the run's log file, with its time),
+    against the time the pre-training stage really had left: until its `pretrain done` line."""
+    end = next(wall for _, wall, l in run_ok["lines"] if l.startswith("  pretrain done: "))
+    log_file = Path(_line(run_ok, "  log ").split()[-1])
+    reports = []
+    for line in log_file.read_text().splitlines():
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO bertpipe\.progress: pretrain: (\d+)/\d+ ", line)
+        if m and int(m.group(2)) >= 10 and "ETA" in line:
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            reports.append((int(m.group(2)), _eta_seconds(line), end - at))
+    assert reports, log_file.read_text()[-3000:]
+    # The ETA is shown in whole seconds: a second of slack where a quarter of the truth is less than that.
+    wrong = [r for r in reports if abs(r[1] - r[2]) > max(ETA_TOLERANCE * r[2], 1.0)]
+    table = "\n".join(f"step {s}: ETA {e:.0f} s, truth {t:.1f} s" for s, e, t in reports)
+    print(table)
+    assert not wrong, table
+
+
+# -- item 3: the end of the run ----------------------------------------------------------------------------------
+
+
+def test_the_end_says_where_everything_is_and_what_to_do_next(run_ok):
+    import mlflow
+
+    from bertpipe.jobs.cli import build_parser
+
+    clone, stdout = run_ok["clone"], run_ok["stdout"]
+    end = stdout[stdout.index("Where everything is"):]
+    model = next(l for l in end if l.startswith("  model "))
+    export = model.split()[1]
+    assert (clone / export / "model.safetensors").is_file(), model
+    name, version = re.search(r"MLflow registered model (\S+) version (\d+)", model).groups()
+    client = mlflow.MlflowClient(f"sqlite:///{run_ok['workdir'] / 'mlflow.db'}")
+    assert client.get_model_version(name, version).name == "bertpipe-tiny"
+    glue = next(l for l in end if l.startswith("  GLUE "))
+    report, zipped = re.search(r"GLUE +(\S+summary\.md) · submission (\S+\.zip)", glue).groups()
+    assert (clone / report).is_file() and (clone / zipped).is_file(), glue
+    assert "(smoke sample, NOT GLUE)" in glue
+    # Next to the scores too: the console's GLUE lines say where they come from.
+    scores = _line(run_ok, "GLUE dev")
+    assert scores.startswith("GLUE dev (smoke sample, NOT GLUE): CoLA ") and _line(run_ok, "GLUE score ")
+    ui = next(l for l in end if l.startswith("  MLflow "))
+    assert re.search(r"  MLflow   \.venv/bin/mlflow ui --backend-store-uri sqlite:///\S+/work/tiny/mlflow\.db "
+                     r"--port 5000, then http://127\.0\.0\.1:5000/#/experiments/\d+/runs/[0-9a-f]{32}$", ui), ui
+    run_id = ui.rsplit("/", 1)[-1]
+    assert client.get_run(run_id).data.tags["bertpipe.kind"] == "workflow"
+    nxt = next(l for l in end if l.startswith("  next "))
+    command = shlex.split(nxt.split("on real GLUE: ", 1)[1].split("  (")[0])
+    assert command[0] == ".venv/bin/bertpipe" and (clone / command[0]).is_file(), nxt
+    args = build_parser().parse_args(command[1:])
+    assert args.command == "run" and "finetune.glue_data_dir=GLUE_DIR" in args.overrides
+
+
+# -- item 1: the README's follow-up commands, in a clean shell ----------------------------------------------------
+
+
+def readme_follow_up() -> list[str]:
+    """The README's second bash block: what it tells a user to type after `make run` (comments dropped)."""
+    blocks, block, lang = [], [], None
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            if lang is None:
+                lang, block = line[3:].strip(), []
+            else:
+                blocks.append((lang, block))
+                lang = None
+        elif lang is not None:
+            block.append(line.split(" #", 1)[0].strip())
+    bash = [b for lang, b in blocks if lang == "bash"]
+    return [c for c in bash[1] if c]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, b""
+
+
+def serve_and_stop(command: str, cwd: Path, env: dict, port: int, run_id: str) -> None:
+    """Start a long-running UI command in its own process group, ask it over HTTP on 127.0.0.1:port for the run's
+    experiment and the workflow run, then stop it as Ctrl-C does (SIGINT to the group) and see the port free."""
+    proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline, status = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status, _ = _get(base + "/")
+                break
+            except OSError:
+                time.sleep(1)
+        assert status == 200, f"{command}: no answer on {base} ({proc.poll()})"
+        code, body = _get(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=bertpipe")
+        assert code == 200 and json.loads(body)["experiment"]["name"] == "bertpipe"
+        code, body = _get(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}")
+        assert code == 200 and json.loads(body)["run"]["info"]["run_id"] == run_id
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the foreground process group
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                pytest.fail(f"{command} did not stop on Ctrl-C")
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, f"{command} still serves {base} after Ctrl-C"
+
+
+def _workflow_run_id(run: dict) -> str:
+    return _line(run, "  MLflow ").rsplit("/", 1)[-1]
+
+
+def test_readme_shows_the_follow_up_commands():
+    assert readme_follow_up()[:3] == ["make status", "make ui", ". .venv/bin/activate"], readme_follow_up()
+
+
+def test_readme_follow_up_commands_work_in_a_clean_shell(run_ok):
+    commands = readme_follow_up()
+    assert commands, "the README shows no commands after make run"
+    clone, env = run_ok["clone"], run_ok["env"]
+    assert shutil.which("bertpipe", path=env["PATH"]) is None and shutil.which("mlflow", path=env["PATH"]) is None
+    script = []
+    for command in commands:
+        if command == "make ui":  # a server: started, asked, stopped
+            port = _free_port()
+            serve_and_stop(f"make ui UI_PORT={port}", clone, env, port, _workflow_run_id(run_ok))
+        else:
+            script.append(command)
+    # The rest in one shell, in order (`. .venv/bin/activate` holds for the lines after it), stopping at a failure.
+    done = subprocess.run(["bash", "-e", "-c", "\n".join(script)], cwd=clone, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    states = re.findall(r"^(clean|vocab|pairs|pretrain|finetune) +(\w+)", done.stdout, re.M)
+    # make status, then bertpipe status: every stage fresh, twice
+    assert states == [(s, "fresh") for s in STAGES] * 2, done.stdout
+
+
+def test_the_printed_mlflow_command_serves_the_printed_run_url(run_ok):
+    line = _line(run_ok, "  MLflow ")
+    command, url = re.fullmatch(r"  MLflow   (.+), then (http://\S+)", line).groups()
+    port = _free_port()
+    serve_and_stop(command.replace("--port 5000", f"--port {port}"), run_ok["clone"], run_ok["env"], port,
+                   url.rsplit("/", 1)[-1])
+
+
+def test_make_ui_before_any_run_says_to_run_first(clone):
+    proc = subprocess.run(["make", "ui", "WORKDIR=work/none"], cwd=clone, env=clean_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and "run make run first" in proc.stderr, proc.stderr
