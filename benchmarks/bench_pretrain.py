@@ -31,6 +31,7 @@ def main() -> None:
     from mlflow.tracking import MlflowClient
 
     from bertpipe.jobs.pretrain.stage import run_stage
+    from bertpipe.jobs.tracking import metric_name
     from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig
     from pretrain_helpers import context, make_inputs, tiny_config
 
@@ -55,8 +56,9 @@ def main() -> None:
             ctx = context(root, inputs, cfg, model=ModelConfig(preset=args.preset), output=f"out{stage}",
                           tracking={"tracking_uri": client.tracking_uri, "run_id": run.info.run_id})
             run_stage(ctx)
-            hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k),
-                                                key=lambda m: m.step)][1:]
+            # MLflow names (train/throughput/...); the workers already leave out the start-up window.
+            hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, metric_name(k)),
+                                                key=lambda m: m.step)]
                     for k in ("sequences_per_second", "tokens_per_second", "data_wait_fraction", "padding_fraction")}
             rows.append((stage, *(sum(v) / max(len(v), 1) for v in hist.values())))
     ray.shutdown()

@@ -45,6 +45,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA GPU: this benchmark needs one")
     from bertpipe.jobs.pretrain.stage import run_stage
+    from bertpipe.jobs.tracking import metric_name
     from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
     import pretrain_helpers as h
 
@@ -69,7 +70,9 @@ def main() -> None:
                                                               activation_checkpointing=args.checkpointing),
                         tracking={"tracking_uri": client.tracking_uri, "run_id": run.info.run_id})
         run_stage(ctx)
-        hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)][1:]
+        # The workers log under MLflow's sections (train/throughput/..., train/loss) and skip the start-up window.
+        hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, metric_name(k)),
+                                            key=lambda m: m.step)]
                 for k in ("sequences_per_second", "data_wait_fraction", "loss")}
     ray.shutdown()
     sps = sum(hist["sequences_per_second"]) / len(hist["sequences_per_second"])

@@ -72,7 +72,7 @@ EXPERIMENT_DESCRIPTION = unwrap("""
   artifact. Fine-tuning nests a run per task and per trial.
 * Metric sections: `eval/` held-out figures, `train/` training figures per logging window, `train/optimizer/`,
   `train/throughput/` (steady windows only), `system/`; figures without a prefix are one value per run (bars).
-  Accuracies are fractions in [0, 1].
+  Accuracies and GLUE scores are fractions in [0, 1] (summary.md gives GLUE scores in percent).
 * The pre-trained model is registered as `bertpipe-<config>`; the alias `newest` is its latest version.
 """)
 OUR_NOTE = "**bertpipe**"  # how the experiment description the project writes starts

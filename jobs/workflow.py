@@ -23,6 +23,7 @@ from typing import Any, Callable
 from bertpipe.jobs import console, ending, run_record
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
+from bertpipe.jobs.glue.report import as_fractions
 from bertpipe.pipeline import outputs, parts, progress, storage
 from bertpipe.jobs.interrupts import describe as describe_interrupt, reinstall as reinstall_interrupts
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
@@ -328,9 +329,10 @@ def headline_metrics(cfg: RootConfig) -> dict[str, float]:
     out: dict[str, float] = {}
     for stage, names in HEADLINE.items():
         metrics = (read_manifest(stage_uri(cfg, stage)) or {}).get("metrics", {})
-        out.update({name: metrics[n] for n, name in names.items() if isinstance(metrics.get(n), (int, float))})
-        if stage == "finetune":
+        if stage == "finetune":  # GLUE's percent, as fractions: one scale in MLflow
+            metrics = as_fractions(metrics)
             out.update({f"glue/{k[4:]}": v for k, v in metrics.items() if k.startswith("dev.")})
+        out.update({name: metrics[n] for n, name in names.items() if isinstance(metrics.get(n), (int, float))})
     return out
 
 

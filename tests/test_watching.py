@@ -71,7 +71,8 @@ def test_mlflow_workflow_run_carries_headline_metrics_and_code_version(watched):
     for key in ("pretrain/loss", "pretrain/eval_mlm_accuracy", "pretrain/eval_nsp_accuracy", "glue/MRPC",
                 "glue/score"):
         assert key in metrics, sorted(metrics)
-    assert all(0.0 <= metrics[k] <= 1.0 for k in metrics if "accuracy" in k), metrics
+    # One scale: GLUE's percent (the report's convention) reaches MLflow as fractions, as the accuracies do.
+    assert all(0.0 <= metrics[k] <= 1.0 for k in metrics if "accuracy" in k or k.startswith("glue/")), metrics
 
 
 def test_pretrained_model_is_registered_and_loads(watched):

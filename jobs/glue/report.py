@@ -94,6 +94,15 @@ def scores(outcomes: list[TaskOutcome]) -> dict[str, float]:
             "glue_score_complete": float(complete), "bert_paper_average": paper}
 
 
+PERCENT_FIGURES = ("glue_score", "bert_paper_average")  # besides dev.<task>: the report's figures in percent
+
+
+def as_fractions(metrics: dict[str, float]) -> dict[str, float]:
+    """The report's percent figures (GLUE's convention, kept in the manifest and summary.md) as fractions in [0, 1]:
+    MLflow shows every accuracy-like figure on one scale, pre-training's held-out accuracies included."""
+    return {k: v / 100 if k.startswith("dev.") or k in PERCENT_FIGURES else v for k, v in metrics.items()}
+
+
 def summary_table(outcomes: list[TaskOutcome], smoke: bool = False) -> tuple[list[dict[str, Any]], str, str]:
     """(rows, Markdown, CSV) of the sweep: one row per task plus the two averages. `smoke`: the scores come from
     the project's built-in sample, and the table says so first."""

@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from bertpipe.jobs.glue.config import FinetuneConfig
-from bertpipe.jobs.glue.report import SMOKE_LABEL, TaskOutcome, scores, summary_table, write_submission
+from bertpipe.jobs.glue.report import (SMOKE_LABEL, TaskOutcome, as_fractions, scores, summary_table,
+                                      write_submission)
 from bertpipe.jobs.glue.sample import write_sample
 from bertpipe.jobs.glue.tasks import GLUE_TASKS, TASKS, get_task, read_task, task_present
 from bertpipe.jobs.glue.trial import GlueTask
@@ -148,7 +149,7 @@ def log_outcomes(outcomes: list[TaskOutcome], parent: RunLogger, metrics: dict[s
     end_task_runs(outcomes)
     if smoke:
         parent.set_tag("bertpipe.glue_data", SMOKE_LABEL)
-    parent.log_metrics({k: v for k, v in metrics.items() if k != "seconds"})
+    parent.log_metrics(as_fractions({k: v for k, v in metrics.items() if k != "seconds"}))
     for name, blob in files.items():
         parent.log_bytes(blob, name, "glue")
 
