@@ -68,8 +68,13 @@ class Clock:
         self.step_s.setdefault(phase, []).append(seconds)
 
     def mean_step(self, phase: int) -> float | None:
-        times = self.step_s.get(phase, [])[-50:]  # the recent steady state
-        return sum(times) / len(times) if times else None
+        """A typical step of the phase: the median of the recent ones. The first steps of a phase (allocator and
+        cache warm-up) are several times slower on a small run; a mean carried them into every early ETA."""
+        times = sorted(self.step_s.get(phase, [])[-50:])
+        if not times:
+            return None
+        mid = len(times) // 2
+        return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
 
 
 @dataclass(frozen=True)
