@@ -36,6 +36,21 @@ def test_the_phase_switch_is_priced_by_its_compute(tiny):
     assert eta.seconds_left(schedule, clock, 36, 0) - end == pytest.approx(4 * 0.2 * ratio)
 
 
+def test_slow_first_steps_do_not_price_the_rest(tiny):
+    """The first steps of a phase (warm-up) are slow: a typical step is the median of the recent ones, and a phase
+    with fewer than STEADY_STEPS steps is priced from the steady phase before it, not by its first step."""
+    cfg, schedule, clock = tiny
+    steady = eta.seconds_left(schedule, clock, 20, 0)
+    clock.step_s[0] = [1.0, 0.8] + clock.step_s[0]  # two warm-up steps before the ten steady ones
+    assert eta.seconds_left(schedule, clock, 20, 0) == pytest.approx(steady)
+    switch = eta.seconds_left(schedule, clock, 37, 1)
+    clock.step(1, 3.0)  # the first step at seq 512, slow
+    assert eta.seconds_left(schedule, clock, 37, 1) == pytest.approx(switch)
+    for _ in range(eta.STEADY_STEPS - 1):
+        clock.step(1, 3.0)  # a steady phase 2 at 3 s a step prices its own remaining steps
+    assert eta.seconds_left(schedule, clock, 37, 1) > switch + 3 * 2.0
+
+
 def test_evaluations_and_checkpoints_count_once_measured(tiny):
     cfg, schedule, clock = tiny
     before = eta.seconds_left(schedule, clock, 19, 0) - eta.seconds_left(schedule, clock, 21, 0)

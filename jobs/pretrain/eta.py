@@ -28,6 +28,7 @@ from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConf
 EVAL_BATCH = 32  # loop.evaluate's batch size
 FIXED_SAVE_S = 0.25  # a checkpoint's bookkeeping (Ray Train's report) before one was measured
 ASSUMED_BYTES_S = 200e6  # storage speed assumed for a checkpoint before one was measured
+STEADY_STEPS = 3  # steps of a phase before its own step time prices its remaining steps
 
 
 def step_cost(model: ModelConfig, vocab_size: int, phase: PhaseConfig) -> float:
@@ -76,6 +77,11 @@ class Clock:
         mid = len(times) // 2
         return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
 
+    def steady_step(self, phase: int) -> float | None:
+        """The phase's typical step once it has STEADY_STEPS of them: its first step alone (at a new sequence
+        length) is slow, and would price the whole phase."""
+        return self.mean_step(phase) if len(self.step_s.get(phase, [])) >= STEADY_STEPS else None
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -121,7 +127,10 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
     """Seconds of work the workers have left after optimizer step `step` (taken in phase `phase`), counting
     whatever is scheduled at `step` itself (its evaluation, its checkpoint). None until a step was measured."""
     cfg = s.cfg
-    measured = [q for q in range(len(cfg.phases)) if clock.mean_step(q) is not None]
+    phases = range(len(cfg.phases))
+    # Phases with a steady step time; at the very start, whatever was measured.
+    measured = ([q for q in phases if clock.steady_step(q) is not None]
+                or [q for q in phases if clock.mean_step(q) is not None])
     if not measured:
         return None
     ref = phase if phase in measured else measured[-1]
@@ -129,7 +138,7 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
     stream = clock.stream_start_s or 0.0
 
     def step_s(q: int) -> float:
-        mean = clock.mean_step(q)
+        mean = clock.mean_step(q) if q == ref else clock.steady_step(q)
         return mean if mean is not None else step_cost(s.model, s.vocab_size, cfg.phases[q]) / cost_per_s
 
     def eval_s(q: int) -> float:
