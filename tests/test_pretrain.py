@@ -125,7 +125,7 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
     """ZeRO 3 (parameters partitioned too: gathered for each forward, the evaluation and the export) through the
     phase switch: 54 steps at seq 32, then 6 at seq 64 starting from phase 1's weights. Phase 1 is the straight
     run's recipe (the "run" schedule reads only phase 1's rate), so its losses are ZeRO 1's. One checkpoint (every
-    rank's partition), at step 30, is complete. (ZeRO 2: tests/test_pretrain_lamb.py.)"""
+    rank's partition), at step 30 and at the end, are complete. (ZeRO 2: tests/test_pretrain_lamb.py.)"""
     from mlflow.tracking import MlflowClient
 
     from bertpipe.jobs.pretrain.checkpoints import STATE_FILE, latest_checkpoint
@@ -150,7 +150,13 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
         "config.json", "model.safetensors", "vocab.txt"]
     run_dir = Path(result.extra["checkpoints"])
     ckpt = latest_checkpoint(str(run_dir.parent), run_dir.name, cfg)
-    assert ckpt and json.loads((Path(ckpt) / STATE_FILE).read_text())["step"] == 30, ckpt
+    assert ckpt and json.loads((Path(ckpt) / STATE_FILE).read_text())["step"] == STEPS, ckpt
+    # Both kept checkpoints (step 30 and the last) hold every rank's partition of the optimizer state.
+    saved = {json.loads((d / STATE_FILE).read_text())["step"]: d for d in run_dir.glob("checkpoint_*")}
+    assert sorted(saved) == [30, STEPS], saved
+    for d in saved.values():
+        assert sorted(p.name for p in d.rglob("zero_pp_rank_*_optim_states.pt")) == [
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(cfg.num_workers)], d
     phase1 = cfg.phase_steps()[0]
     assert_same_training({s: v for s, v in loss_history(ctx).items() if s <= phase1}, loss_history(straight[0]))
     # Windows end at 10 ... 50, 54 (phase 1's end) and 60. The first (start-up) and the one that opens seq 64

@@ -34,7 +34,8 @@ def test_console_is_short_and_says_what_runs(watched):
     for k, stage in enumerate(["clean", "vocab", "pairs", "pretrain", "finetune"], 1):
         assert any(line.startswith(f"[stage {k}/5] {stage}: running") for line in watched["stdout"])
     assert any(re.match(r"  pretrain: \d+/6 \(\d+%\) steps · loss [\d.]+", line) for line in watched["stdout"])
-    assert any(line.startswith("  finetune: 1/1 (100%) trials · best MRPC") for line in watched["stdout"])
+    assert any(re.match(r"  finetune: (\d+)/\1 \(100%\) steps · trials 1/1 · best [\d.]+", line)
+               for line in watched["stdout"]), "\n".join(watched["stdout"])
     assert any(re.fullmatch(r"stage +status +output +time", line) for line in watched["stdout"])
     assert any(line.startswith("GLUE score") for line in watched["stdout"])
     repeated = [line for line, n in collections.Counter(everything).items() if n > 1 and "WARN" in line.upper()]
@@ -109,16 +110,20 @@ def test_final_evaluation_is_logged_at_the_last_step(watched):
 
 
 def test_failed_stage_is_marked_failed_with_error_and_traceback(watched):
-    """Fine-tuning from a checkpoint whose weights are not a safetensors file: every trial fails."""
+    """Fine-tuning from a checkpoint whose weights are not a safetensors file: every trial fails. In a copy of the
+    shared run's workdir: the failed stage clears its folder, which other modules' tests read."""
     broken = watched["home"] / "broken-ckpt"
     shutil.copytree(watched["workdir"] / "pretrain" / "export", broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--workdir", str(watched["workdir"]), "--only", "finetune",
+    workdir = watched["home"] / "failing-work"
+    shutil.copytree(watched["workdir"], workdir)
+    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--workdir", str(workdir), "--only", "finetune",
                            "--set", f"finetune.init={broken}", *USER_RUN_SETTINGS], cwd=watched["home"],
                           env=user_env(watched["ray_tmp"]), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-3].startswith("bertpipe: stage finetune failed:")
-    client = _client(watched["workdir"])
+    assert (watched["workdir"] / "finetune" / "_MANIFEST.json").is_file()  # the shared run is untouched
+    client = _client(workdir)
     parent = max(_workflow_runs(client), key=lambda r: r.info.start_time)
     assert parent.info.status == "FAILED" and parent.data.tags["bertpipe.status"] == "failed"
     stage = [r for r in client.search_runs([parent.info.experiment_id])

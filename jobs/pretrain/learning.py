@@ -145,13 +145,27 @@ def _series(history: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _figure(history: list[dict[str, Any]], lines: list[tuple[str, str]], hlines: list[tuple[str, float]],
-            ylabel: str, title: str) -> bytes:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a server or a Ray worker
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def warm_plotting() -> None:
+    """Load matplotlib and draw one empty figure (the first one sets up fonts: most of a second), so that the
+    curves drawn after training do not pay for it."""
+    plt = _pyplot()
+    fig = plt.figure(figsize=(1, 1), dpi=10)
+    fig.savefig(io.BytesIO(), format="png")
+    plt.close(fig)
+
+
+def _figure(history: list[dict[str, Any]], lines: list[tuple[str, str]], hlines: list[tuple[str, float]],
+            ylabel: str, title: str) -> bytes:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     for key, label in lines:
         steps, values = _series(history, key)
