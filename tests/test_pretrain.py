@@ -152,7 +152,8 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
     ckpt = latest_checkpoint(str(run_dir.parent), run_dir.name, cfg)
     assert ckpt and json.loads((Path(ckpt) / STATE_FILE).read_text())["step"] == STEPS, ckpt
     # Both kept checkpoints (step 30 and the last) hold every rank's partition of the optimizer state.
-    saved = {json.loads((d / STATE_FILE).read_text())["step"]: d for d in run_dir.glob("checkpoint_*")}
+    saved = {json.loads((d / STATE_FILE).read_text())["step"]: d
+             for d in run_dir.glob("checkpoint_*") if d.is_dir()}
     assert sorted(saved) == [30, STEPS], saved
     for d in saved.values():
         assert sorted(p.name for p in d.rglob("zero_pp_rank_*_optim_states.pt")) == [
