@@ -132,6 +132,10 @@ class PretrainConfig:
         first = round(self.max_steps * self.phase1_fraction)
         return (first, self.max_steps - first)
 
+    def final_phase(self) -> int:
+        """The phase whose length the final held-out evaluation reads: the last one that has steps."""
+        return len(self.phases) - 1 if self.phase_steps()[-1] else 0
+
     def _check_ranges(self) -> None:
         """Each field of this section in its range (a phase checks its own fields)."""
         at_least("pretrain", self, 1, "num_workers", "cpus_per_worker", "max_steps", "log_every_steps",

@@ -114,9 +114,6 @@ class Schedule:
         batches = -(-rows // EVAL_BATCH) if rows else self.cfg.eval_max_batches
         return min(batches, self.cfg.eval_max_batches)
 
-    def final_phase(self) -> int:
-        return len(self.cfg.phases) - 1 if self.cfg.phase_steps()[-1] else 0
-
 
 def _multiples(k: int, lo: int, hi: int) -> int:
     """How many multiples of k lie in [lo, hi] (0 for k = 0: never)."""
@@ -174,4 +171,4 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
         total += _multiples(cfg.eval_every_steps, lo, hi) * eval_s(q)
         total += _multiples(cfg.checkpoint_every_steps, lo, hi) * checkpoint
     # The end: the final evaluation (standard masks, at the last phase's length), the export, the last checkpoint.
-    return total + eval_s(s.final_phase()) + export + checkpoint
+    return total + eval_s(cfg.final_phase()) + export + checkpoint

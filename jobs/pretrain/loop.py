@@ -516,8 +516,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                                       json.dumps({"reason": str(exc), "step": w.engine.global_steps}))
         dist.barrier()
         return
-    steps = spec.pretrain.phase_steps()
-    final_phase = spec.pretrain.phases[-1] if steps[-1] else spec.pretrain.phases[0]
+    final_phase = spec.pretrain.phases[spec.pretrain.final_phase()]
     # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.
     w.doing(f"final held-out evaluation (seq {final_phase.max_seq_length})")
     started = time.perf_counter()

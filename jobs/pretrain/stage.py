@@ -244,8 +244,7 @@ def final_baselines(ctx: StageContext, cfg: PretrainConfig, tokens: list[str]) -
     from bertpipe.jobs.pretrain.masking import MaskingSpec
     from bertpipe.pipeline.shards import list_shards
 
-    steps = cfg.phase_steps()
-    final_phase = cfg.phases[-1] if steps[-1] else cfg.phases[0]
+    final_phase = cfg.phases[cfg.final_phase()]
     train, heldout = list_shards(ctx.input("pairs").uri, final_phase.max_seq_length)
     spec = MaskingSpec.from_vocab(tokens, max_seq_length=final_phase.max_seq_length,
                                   max_predictions=final_phase.max_predictions_per_seq)
