@@ -47,6 +47,7 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
     from bertpipe.jobs.pretrain import loop
     from bertpipe.jobs.pretrain.length_binning import length_binned
     from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.pipeline.ray_reads import read_parquet
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
     raws = list(host_batches(table, micro))
@@ -75,7 +76,7 @@ def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    ds = ray.data.read_parquet(files).select_columns(COLUMNS)
+    ds = read_parquet(files, COLUMNS)
     shard = ds.streaming_split(1, equal=True)[0]
     it = shard.iter_batches(batch_size=micro, batch_format="numpy", drop_last=True, prefetch_batches=4,
                             local_shuffle_buffer_size=2000, local_shuffle_seed=1)

@@ -162,6 +162,8 @@ def read_documents(files: list[str]):
     """A Ray dataset of (id int64, text string) rows over `files`, in file order."""
     import ray.data
 
+    from bertpipe.pipeline.ray_reads import read_parquet
+
     if all(f.endswith(".parquet") for f in files):
-        return ray.data.read_parquet(files).select_columns(["id", "text"])
+        return read_parquet(files, ["id", "text"])
     return ray.data.from_items([{"uri": f} for f in files], override_num_blocks=len(files)).flat_map(_text_file_rows)

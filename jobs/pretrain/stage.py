@@ -107,8 +107,7 @@ def run_name(ctx: StageContext, cfg: PretrainConfig) -> str:
 
 
 def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dict[str, Any], dict[str, int]]:
-    import ray.data
-
+    from bertpipe.pipeline.ray_reads import read_parquet
     from bertpipe.pipeline.shards import list_shards
 
     datasets, rows = {}, {}
@@ -124,8 +123,8 @@ def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dic
         if rows[f"heldout_{L}"] < cfg.num_workers:
             raise StageInputError(f"held-out shard {heldout} has {rows[f'heldout_{L}']} rows, fewer than the "
                                   f"{cfg.num_workers} workers")
-        datasets[f"train_{L}"] = ray.data.read_parquet(train).select_columns(COLUMNS)
-        datasets[f"heldout_{L}"] = ray.data.read_parquet(heldout).select_columns(COLUMNS)
+        datasets[f"train_{L}"] = read_parquet(train, COLUMNS)
+        datasets[f"heldout_{L}"] = read_parquet([heldout], COLUMNS)
     return datasets, rows
 
 
