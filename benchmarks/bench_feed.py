@@ -47,7 +47,6 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
     from bertpipe.jobs.pretrain import loop
     from bertpipe.jobs.pretrain.length_binning import length_binned
     from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
-    from bertpipe.pipeline.ray_reads import read_parquet
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
     raws = list(host_batches(table, micro))
@@ -67,12 +66,12 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
 
 def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
     import numpy as np
-    import ray
     import torch
 
     from bertpipe.jobs.pretrain import loop
     from bertpipe.jobs.pretrain.length_binning import length_binned
     from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.pipeline.ray_reads import read_parquet
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

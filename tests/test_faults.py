@@ -266,8 +266,9 @@ def test_error_inside_a_ray_data_task_shows_its_cause_only(committed, home, tmp_
 
     assert run.returncode == 1, run.stderr
     cause, log_file = assert_closing_lines(run.stderr, "stage pairs failed: ", "pairs")
-    # The worker's own error, named as the worker raised it, and which task: not "ray::ReadFiles...()" in colour.
-    assert re.fullmatch(r"bertpipe: stage pairs failed: OSError: .+ \(in Ray task Read\w+\)", cause), cause
+    # The worker's own error, named as the worker raised it, and which task (Ray Data's Parquet reader reads a
+    # file's metadata in one task, its rows in another): not "ray::ReadParquet...()" in colour.
+    assert re.fullmatch(r"bertpipe: stage pairs failed: OSError: .+ \(in Ray task \w+\)", cause), cause
     log = log_file.read_text()
     assert "Traceback" in log and cause.split("failed: ", 1)[1].split(" (in Ray task")[0] in log
     pairs = runs(f"sqlite:///{workdir / 'mlflow.db'}")["pairs"]
