@@ -7,7 +7,7 @@ everything still scheduled:
   step (`step_cost`: the model's training FLOPs for the phase's batch and sequence length), so the switch from
   seq 128 to seq 512 is counted before it happens;
 - each data stream still to open: a new epoch (Ray Data starts an execution for each, seconds on a small machine;
-  every phase's first one and the held-out rows are opened before the first step, loop.open_streams), priced by
+  every phase's first one is opened, and the held-out rows read, before the first step, loop.open_streams), priced by
   the longest stream start measured;
 - each held-out evaluation still scheduled, and the final one: measured once one ran, before that its forward
   passes at the measured training speed (a forward pass is about a third of a training step);

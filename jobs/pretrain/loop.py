@@ -25,6 +25,7 @@ import torch.distributed as dist
 from bertpipe.jobs.pretrain import checkpoints, eta
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.heldout import read_heldout
 from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts, mapped_layouts
 from bertpipe.jobs.pretrain.length_binning import length_binned
 from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
@@ -57,7 +58,8 @@ class WorkerSpec:
     storage_path: str
     run_name: str
     progress: Reporter = field(default_factory=Reporter)  # the driver's live progress line (rank 0 reports)
-    rows: dict[str, int] = field(default_factory=dict)  # {"train_128": rows, "heldout_128": rows, ...}: for the ETA
+    rows: dict[str, int] = field(default_factory=dict)  # {"train_128": rows, "heldout_128": rows, ...}
+    heldout: dict[int, str] = field(default_factory=dict)  # seq length -> held-out shard (read by heldout.py)
 
 
 @dataclass
@@ -246,50 +248,42 @@ def forward(w: Worker, b: dict[str, torch.Tensor]):
 
 
 def heldout_batches(w: Worker, phase: PhaseConfig) -> list[dict[str, np.ndarray]]:
-    """This worker's held-out rows at the phase's length (at most eval_max_batches batches of EVAL_BATCH), read
-    once: every evaluation reuses them instead of opening a Ray Data stream again (seconds each on a small
-    machine). The first batch's wait is a data stream's start for the ETA."""
-    import ray.train
-
+    """This worker's held-out rows at the phase's length (at most eval_max_batches batches of EVAL_BATCH, heldout.py),
+    read once: every evaluation reuses them."""
     length = phase.max_seq_length
     if length not in w.heldout:
-        shard = ray.train.get_dataset_shard(f"heldout_{length}")
-        batches: list[dict[str, np.ndarray]] = []
         started = time.perf_counter()
-        for raw in shard.iter_batches(batch_size=EVAL_BATCH, batch_format="numpy", drop_last=False,
-                                      prefetch_batches=2):
-            if not batches:
-                w.clock.stream_start_s = max(w.clock.stream_start_s or 0.0, time.perf_counter() - started)
-            if len(batches) >= w.spec.pretrain.eval_max_batches:
-                break
-            batches.append(raw)
-        w.heldout[length] = batches
-        log.info("rank %d: %d held-out batches at seq %d read in %.1f s", w.rank, len(batches), length,
+        w.heldout[length] = read_heldout(w.spec.heldout[length], w.rank, w.world, w.spec.rows[f"heldout_{length}"],
+                                         w.spec.pretrain.eval_max_batches, EVAL_BATCH)
+        log.info("rank %d: %d held-out batches at seq %d read in %.1f s", w.rank, len(w.heldout[length]), length,
                  time.perf_counter() - started)
     return w.heldout[length]
 
 
 def open_streams(w: Worker, position: Position) -> None:
     """Before the first step, every data stream the run opens at a known time, opened at once (in threads: Ray
-    Data starts an execution for each, seconds each on a small machine, mostly waiting on processes): each
-    phase's held-out rows (read whole: every evaluation reuses them) and the first training epoch of every phase
-    still to train, its first micro-batches pulled (run_epoch goes on from there). No phase switch and no
-    evaluation waits for a stream mid-training, and what is left after any step is predictable (eta.py)."""
+    Data starts an execution for each, seconds each on a small machine, mostly waiting on processes): the first
+    training epoch of every phase still to train, its first micro-batches pulled (run_epoch goes on from there),
+    and meanwhile each phase's held-out rows are read (heldout_batches). No phase switch and no evaluation waits
+    for data mid-training, and what is left after any step is predictable (eta.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
     cfg = w.spec.pretrain
     ends = np.cumsum(cfg.phase_steps())
-    jobs = {}
+    streams, heldout = {}, []
     for q, (phase, steps) in enumerate(zip(cfg.phases, cfg.phase_steps())):
         if not steps:
             continue
-        jobs[f"held-out seq {phase.max_seq_length}"] = (heldout_batches, w, phase)
+        heldout.append(phase)
         if ends[q] > position.step and q >= position.phase:
             epoch = position.epoch if q == position.phase else 0
-            jobs[f"training seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch)
-    w.doing(f"opening the data streams ({', '.join(jobs)})")
-    with ThreadPoolExecutor(max_workers=max(len(jobs), 1), thread_name_prefix="open-stream") as pool:
-        for future in [pool.submit(*job) for job in jobs.values()]:
+            streams[f"seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch)
+    w.doing(f"opening the training data streams ({', '.join(streams)})" if streams else "reading held-out data")
+    with ThreadPoolExecutor(max_workers=max(len(streams), 1), thread_name_prefix="open-stream") as pool:
+        futures = [pool.submit(*job) for job in streams.values()]
+        for phase in heldout:
+            heldout_batches(w, phase)
+        for future in futures:
             future.result()
 
 

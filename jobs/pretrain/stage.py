@@ -25,6 +25,7 @@ from bertpipe.jobs.interrupts import Interrupted
 from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.heldout import COLUMNS
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
 from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
@@ -34,7 +35,6 @@ from bertpipe.pipeline.progress import doing, remote_progress
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
-COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
 # Seconds the stage still takes once the workers are done, added to their ETA (jobs/pretrain/eta.py): Ray Train
 # stopping its workers, the learning curves, the model's registration (the baselines are computed during training).
 # Measured on two 2-core machines (tiny): 3.5 and 4.5 s.
@@ -106,11 +106,15 @@ def run_name(ctx: StageContext, cfg: PretrainConfig) -> str:
     return "pretrain-" + stable_hash({"config": key, "seed": ctx.seed, "inputs": ids})[:12]
 
 
-def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dict[str, Any], dict[str, int]]:
+def _datasets(pairs_uri: str, vocab_hash: str,
+              cfg: PretrainConfig) -> tuple[dict[str, Any], dict[str, int], dict[int, str]]:
+    """The training datasets for Ray Train ({"train_128": dataset, ...}), every shard's rows ({"train_128": rows,
+    "heldout_128": rows, ...}) and the held-out shards ({128: uri, ...}: the workers read them themselves,
+    heldout.py)."""
     from bertpipe.pipeline.ray_reads import read_parquet
     from bertpipe.pipeline.shards import list_shards
 
-    datasets, rows = {}, {}
+    datasets, rows, heldouts = {}, {}, {}
     for phase, steps in zip(cfg.phases, cfg.phase_steps()):
         L = phase.max_seq_length
         train, heldout = list_shards(pairs_uri, L)
@@ -124,8 +128,8 @@ def _datasets(pairs_uri: str, vocab_hash: str, cfg: PretrainConfig) -> tuple[dic
             raise StageInputError(f"held-out shard {heldout} has {rows[f'heldout_{L}']} rows, fewer than the "
                                   f"{cfg.num_workers} workers")
         datasets[f"train_{L}"] = read_parquet(train, COLUMNS)
-        datasets[f"heldout_{L}"] = read_parquet([heldout], COLUMNS)
-    return datasets, rows
+        heldouts[L] = heldout
+    return datasets, rows, heldouts
 
 
 def _describe(fields: dict) -> str:
@@ -282,7 +286,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     storage_path = cfg.storage_path or ctx.paths.ray_results
     spec = worker_spec(ctx, cfg, storage_path, run_name(ctx, cfg))
     # The vocabulary's identity from the bytes the workers get (pipeline.vocab.vocab_hash, without a second read).
-    datasets, rows = _datasets(ctx.input("pairs").uri, hashlib.sha256(spec.vocab_bytes).hexdigest(), cfg)
+    datasets, rows, heldouts = _datasets(ctx.input("pairs").uri, hashlib.sha256(spec.vocab_bytes).hexdigest(), cfg)
     ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.num_workers)
     storage.write_text_atomic(storage.join(ctx.output_uri, "deepspeed_config.json"),
                               json.dumps(ds_json, indent=2, sort_keys=True))
@@ -297,7 +301,8 @@ def run_stage(ctx: StageContext) -> StageResult:
         progress.set(0, doing=f"starting {cfg.num_workers} Ray Train workers")
         early_baselines = driver_side.submit(final_baselines, ctx, cfg, spec.vocab_tokens)
         try:
-            result = trainer(dataclasses.replace(spec, progress=progress, rows=rows), datasets).fit()
+            result = trainer(dataclasses.replace(spec, progress=progress, rows=rows, heldout=heldouts),
+                             datasets).fit()
         except SystemExit as exc:
             # Ray Train's controller answers Ctrl-C by aborting the run and sys.exit(0): a user's interrupt, and
             # the CLI must end it as one (exit 130, MLflow runs KILLED), not as a success.
