@@ -290,14 +290,17 @@ def test_a_refused_token_is_one_line_with_exit_2(token_cluster, tmp_path):
     }
     commands = [["jobs", "list"], ["jobs", "logs", "raysubmit_x"], ["jobs", "status", "raysubmit_x"],
                 ["submit", "--", "--version"], ["submit", "--no-wait", "--", "--version"]]
-    for case, (env, why) in cases.items():
-        for command in commands:
-            out = bertpipe(*command, env=env, cwd=tmp_path)
-            assert out.returncode == 2, (case, command, out.stdout, out.stderr)
-            m = REFUSED.match(out.stderr)
-            assert m, (case, command, out.stderr)
-            assert m.group(1) == token_cluster["dashboard"] and m.group(2) == why, (case, command, out.stderr)
-            assert out.stdout == ""
+    # Every way of sending a token with one command, and every command with one way (the refusal is found in one
+    # place for all of them): 9 calls of a second each, where every pair would be 25.
+    pairs = [(case, commands[0]) for case in cases] + [("wrong RAY_AUTH_TOKEN", c) for c in commands[1:]]
+    for case, command in pairs:
+        env, why = cases[case]
+        out = bertpipe(*command, env=env, cwd=tmp_path)
+        assert out.returncode == 2, (case, command, out.stdout, out.stderr)
+        m = REFUSED.match(out.stderr)
+        assert m, (case, command, out.stderr)
+        assert m.group(1) == token_cluster["dashboard"] and m.group(2) == why, (case, command, out.stderr)
+        assert out.stdout == ""
     # Nothing was submitted by the refused calls.
     listed = bertpipe("jobs", "list", env=token_cluster["env"], cwd=tmp_path)
     assert listed.returncode == 0 and listed.stdout == "", listed.stderr
