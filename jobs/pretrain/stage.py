@@ -37,8 +37,9 @@ from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 log = logging.getLogger("bertpipe.pretrain")
 # Seconds the stage still takes once the workers are done, added to their ETA (jobs/pretrain/eta.py): Ray Train
 # stopping its workers, the learning curves, the model's registration (the baselines are computed during training).
-# Measured on two 2-core machines (tiny): 3.5 and 4.5 s.
-TAIL_S = 4.0
+# Measured on 2-core machines (tiny): 3.5 and 4.5 s while Ray Train also stopped four Ray Data streams, 3.0 s since
+# the held-out rows are read without one (heldout.py) and the streams start no footer-reading actors (ray_reads.py).
+TAIL_S = 3.0
 
 
 def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
@@ -106,14 +107,18 @@ def run_name(ctx: StageContext, cfg: PretrainConfig) -> str:
     return "pretrain-" + stable_hash({"config": key, "seed": ctx.seed, "inputs": ids})[:12]
 
 
-def _datasets(pairs_uri: str, vocab_hash: str,
-              cfg: PretrainConfig) -> tuple[dict[str, Any], dict[str, int], dict[int, str]]:
-    """The training datasets for Ray Train ({"train_128": dataset, ...}), every shard's rows ({"train_128": rows,
-    "heldout_128": rows, ...}) and the held-out shards ({128: uri, ...}: the workers read them themselves,
-    heldout.py)."""
+def _datasets(pairs_uri: str, spec: WorkerSpec) -> tuple[dict[str, Any], WorkerSpec]:
+    """The training datasets for Ray Train ({"train_128": dataset, ...}), after checking every shard, and the spec
+    with every shard's rows ({"train_128": rows, "heldout_128": rows, ...}) and the held-out shards ({128: uri, ...}:
+    the workers read them themselves, heldout.py)."""
+    import hashlib
+
     from bertpipe.pipeline.ray_reads import read_parquet
     from bertpipe.pipeline.shards import list_shards
 
+    cfg = spec.pretrain
+    # The vocabulary's identity from the bytes the workers get (pipeline.vocab.vocab_hash, without a second read).
+    vocab_hash = hashlib.sha256(spec.vocab_bytes).hexdigest()
     datasets, rows, heldouts = {}, {}, {}
     for phase, steps in zip(cfg.phases, cfg.phase_steps()):
         L = phase.max_seq_length
@@ -129,7 +134,7 @@ def _datasets(pairs_uri: str, vocab_hash: str,
                                   f"{cfg.num_workers} workers")
         datasets[f"train_{L}"] = read_parquet(train, COLUMNS)
         heldouts[L] = heldout
-    return datasets, rows, heldouts
+    return datasets, dataclasses.replace(spec, rows=rows, heldout=heldouts)
 
 
 def _describe(fields: dict) -> str:
@@ -274,7 +279,6 @@ def write_learning(ctx: StageContext, base: dict, history: list[dict],
 
 def run_stage(ctx: StageContext) -> StageResult:
     import concurrent.futures
-    import hashlib
 
     import ray
 
@@ -285,8 +289,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         log.warning("%s", layout_warning(cfg))
     storage_path = cfg.storage_path or ctx.paths.ray_results
     spec = worker_spec(ctx, cfg, storage_path, run_name(ctx, cfg))
-    # The vocabulary's identity from the bytes the workers get (pipeline.vocab.vocab_hash, without a second read).
-    datasets, rows, heldouts = _datasets(ctx.input("pairs").uri, hashlib.sha256(spec.vocab_bytes).hexdigest(), cfg)
+    datasets, spec = _datasets(ctx.input("pairs").uri, spec)
     ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.num_workers)
     storage.write_text_atomic(storage.join(ctx.output_uri, "deepspeed_config.json"),
                               json.dumps(ds_json, indent=2, sort_keys=True))
@@ -301,8 +304,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         progress.set(0, doing=f"starting {cfg.num_workers} Ray Train workers")
         early_baselines = driver_side.submit(final_baselines, ctx, cfg, spec.vocab_tokens)
         try:
-            result = trainer(dataclasses.replace(spec, progress=progress, rows=rows, heldout=heldouts),
-                             datasets).fit()
+            result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
         except SystemExit as exc:
             # Ray Train's controller answers Ctrl-C by aborting the run and sys.exit(0): a user's interrupt, and
             # the CLI must end it as one (exit 130, MLflow runs KILLED), not as a success.
@@ -330,6 +332,6 @@ def run_stage(ctx: StageContext) -> StageResult:
     log_summary(run, metrics)
     return StageResult(num_rows=int(metrics.get("step", 0)), metrics=metrics, mlflow_summary={},
                        extra={"export": spec.export_uri, "checkpoints": storage.join(storage_path, spec.run_name),
-                              "mlflow_model": model_uri,
-                              "train_rows": rows, "checkpoint": result.checkpoint.path if result.checkpoint else ""},
+                              "mlflow_model": model_uri, "train_rows": spec.rows,
+                              "checkpoint": result.checkpoint.path if result.checkpoint else ""},
                        outputs=[*(f"export/{name}" for name in EXPORT_FILES), *learning_files])
