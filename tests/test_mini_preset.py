@@ -1,7 +1,7 @@
-"""The `mini` preset as a user runs it (its own relative input paths, resolved from the repository root), made
-short: pretrain writes its learning figures (baselines, held-out accuracy, curves) beside the export, and (slow: a
-second whole run) twice with the same seed, every fingerprinted output of clean, vocab, pairs and pretrain has the
-same bytes."""
+"""The `mini` preset as a user runs it (its own relative input paths, resolved from the repository root): the
+config names both English dumps; (slow: a whole run, made short) pretrain writes its learning figures (baselines,
+held-out accuracy, curves) beside the export; (slow: a second whole run) twice with the same seed, every
+fingerprinted output of clean, vocab, pairs and pretrain has the same bytes."""
 from __future__ import annotations
 
 import hashlib
@@ -72,6 +72,20 @@ def test_same_seed_gives_the_same_bytes_at_every_stage(two_runs):
     assert "pretrain/export/model.safetensors" in a
 
 
+def test_preset_reads_both_english_dumps_from_the_repository_root(sample_dumps, monkeypatch):
+    """What the short run below checks first, without running: from the repository root, as a user types it, the
+    preset names every English dump of the sample, and they are there (`bertpipe fetch-sample`)."""
+    monkeypatch.chdir(REPO)
+    cfg = load_config("mini")
+    inputs = [Path(p) for p in cfg.clean.input]
+    assert len(inputs) == 2 and all(p.is_absolute() and p.is_file() for p in inputs), inputs
+    assert {p.name for p in inputs} == {p.name for p in sample_dumps.values() if p.name.startswith("enwiki")}
+    assert tuple(cfg.pairs.max_seq_lengths) == (128, 512) and cfg.pretrain.phase_steps()[1] > 0  # both phases train
+
+
+# ~45 s (a whole workflow on both dumps). Learning figures: test_pretrain.py (history.json, the curves, the
+# baselines) on a seq-32 run; here, the preset's own input, on real articles.
+@pytest.mark.slow
 def test_pretrain_writes_the_learning_figures(mini_run):
     workdir = mini_run
     manifest = read_manifest(str(workdir / "pretrain"))
