@@ -251,6 +251,9 @@ def test_impossible_configs_are_refused(ray_local, data, tmp_path, overrides, me
         run_stage(context(tmp_path, inputs, base_config(**overrides)))
 
 
+# Slow (~26 s, a Ray Train run of its own): the detection itself, at the logging window and naming the step, is
+# tests/test_step_path.py::test_non_finite_stops_at_the_window_naming_the_step; this adds that Ray Train does not retry.
+@pytest.mark.slow
 def test_diverging_run_stops_once_with_the_step_and_no_retry(ray_local, data, tmp_path):
     """A learning rate that blows the weights up: the run stops at the first logging window with one line naming
     the step, even with retries allowed (a retry would only meet the same NaN again)."""

@@ -39,7 +39,7 @@ log = logging.getLogger("bertpipe.pretrain")
 # stopping its workers, the learning curves, the model's registration (the baselines are computed during training).
 # Measured on 2-core machines (tiny): 3.5 and 4.5 s while Ray Train also stopped four Ray Data streams, 3.0 s since
 # the held-out rows are read without one (heldout.py) and the streams start no footer-reading actors (ray_reads.py).
-TAIL_S = 3.0
+TAIL_S = 3.5
 
 
 def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
