@@ -138,7 +138,7 @@ def test_vocab_and_pairs_run_alone_from_text_files(first_run, ray_tmp, tmp_path)
 
 # Slow (~60 s: a local Ray and a pre-training of its own). `run --only pretrain` from a bare shard folder (no manifest
 # of ours) and an explicit vocab.txt is covered up to training under way by test_faults.py::
-# test_sigint_during_pretraining_ends_as_an_interrupt (slow too); the stage on to its export by tests/test_pretrain.py.
+# test_sigint_during_pretraining_ends_as_an_interrupt; the stage on to its export by tests/test_pretrain.py.
 @pytest.mark.slow
 def test_pretrain_runs_alone_from_a_shard_folder_and_a_vocab(first_run, ray_tmp, tmp_path):
     shards = shutil.copytree(first_run["workdir"] / "pairs", tmp_path / "my-shards")
