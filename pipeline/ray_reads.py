@@ -7,8 +7,9 @@ def read_parquet(files: list[str], columns: list[str]):
 
     Ray 2.60's default reader (DataSourceV2) starts a pool of 32 footer-reading actors, each a Python process, for
     every read, whatever the number of files: the pre-training stage's four streams started 128 processes and took
-    43 s to open on a 2-core machine, 4 s with this reader (benchmarks/README.md, "Opening the data streams"). Our
-    files are few and listed by their manifest, so nothing is lost: no footer statistics are needed to plan them.
+    43 s to open on a 2-core machine, 7 to 8.6 s with this reader (benchmarks/README.md, "Opening the data
+    streams"). Our files are few and listed by their manifest, so nothing is lost: no footer statistics are needed
+    to plan them. The flag is read when the read is planned, here, on the driver (reads are planned one at a time).
     """
     import ray.data
 

@@ -12,10 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bertpipe.jobs.pretrain.masking import COLUMNS
 from bertpipe.pipeline import storage
-
-# What masking.collate reads of a shard row.
-COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
 
 
 def rows_per_worker(total_rows: int, world: int, max_batches: int, batch_size: int) -> int:
@@ -38,8 +36,8 @@ def read_heldout(uri: str, rank: int, world: int, total_rows: int, max_batches: 
             seen += batch.num_rows
             if seen >= end:
                 break
-    table = pa.Table.from_batches(pieces) if pieces else pa.table({c: [] for c in COLUMNS})
-    if table.num_rows != n:
+    if sum(p.num_rows for p in pieces) != n:
         raise ValueError(f"held-out shard {uri} has {seen} rows, {total_rows} were counted when the run started")
+    table = pa.Table.from_batches(pieces)
     return [{c: table.slice(i, batch_size).column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}
             for i in range(0, n, batch_size)]

@@ -25,6 +25,8 @@ import torch
 from bertpipe.model.training import round_up
 
 IGNORE_INDEX = -100
+# The shard columns collate reads: what the pre-training streams and the held-out reads (heldout.py) select.
+COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 

@@ -25,8 +25,8 @@ from bertpipe.jobs.interrupts import Interrupted
 from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
-from bertpipe.jobs.pretrain.heldout import COLUMNS
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
+from bertpipe.jobs.pretrain.masking import COLUMNS
 from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline import storage
