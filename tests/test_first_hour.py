@@ -9,7 +9,7 @@ site-packages path lists this test environment's (the same pinned stack), the cl
 (offline too: the gensim wheel is copied into the clone's data/downloads, and fetch-sample extracts the dumps
 from it) and the run. DeepSpeed's JIT cache is an empty folder (TORCH_EXTENSIONS_DIR), as on a new machine.
 
-Checked on that one run: the console (at most 80 lines, never silent for more than 15 s, the op build announced,
+Checked on that one run: the console (at most 80 lines, never silent for more than 15 s, no DeepSpeed op compiled,
 each stage's summary in its own unit, where everything is at the end), the pre-training ETA against the time the
 stage really took, and the commands the README and the end of the run print, run as printed in a shell without
 the venv: `make status`, `make ui` (serves the run's store on 127.0.0.1, then stopped like Ctrl-C does),
@@ -141,7 +141,8 @@ def made_run(clone):
     ended = time.monotonic() - t0
     lines = sorted(out + err, key=lambda x: x[0])
     yield {"rc": proc.returncode, "lines": lines, "stdout": [l for _, _, l in sorted(out)], "ended": ended,
-           "clone": clone, "workdir": clone / "work" / "tiny", "env": clean_env()}
+           "clone": clone, "workdir": clone / "work" / "tiny", "env": clean_env(),
+           "ops_built": sorted(p.name for p in ops.rglob("*") if p.is_file())}
     shutil.rmtree(ray_tmp, ignore_errors=True)
     shutil.rmtree(ops, ignore_errors=True)
 
@@ -172,11 +173,11 @@ def test_console_of_make_run_is_short_and_never_silent(run_ok):
     assert longest <= MAX_SILENCE_S, f"{longest:.1f} s of silence before line {where}:\n{listing}"
 
 
-def test_a_new_machine_is_told_that_deepspeed_builds_its_op(run_ok):
-    stdout = run_ok["stdout"]
-    announced = [i for i, l in enumerate(stdout) if "building DeepSpeed's CPU communication op" in l]
-    built = [i for i, l in enumerate(stdout) if re.search(r"DeepSpeed op built in \d+ s", l)]
-    assert announced and built and announced[0] < built[0], "\n".join(stdout)
+def test_a_new_machine_compiles_no_deepspeed_op(run_ok):
+    """The run needs no C++ op of DeepSpeed: its JIT cache folder, empty at the start, is still empty at the end
+    (its CPU communication op, built before on every new machine in 50-90 s, serves inference only)."""
+    assert run_ok["ops_built"] == [], run_ok["ops_built"]
+    assert not any("DeepSpeed op" in l or "communication op" in l for l in run_ok["stdout"])
 
 
 def test_each_stage_summary_uses_its_own_unit(run_ok):

@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +135,7 @@ def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, s
     worker runs, and what the CPU tests and the step profile build without Ray."""
     import deepspeed
 
+    skip_inference_comm_op()
     model = build_model(model_cfg, vocab_size, seed)
     if cfg.optimizer_impl == "torch":
         optimizer, params = make_optimizer(cfg, model), None
@@ -164,7 +164,6 @@ def setup(spec: WorkerSpec) -> Worker:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cpus_per_worker)
-    prepare_deepspeed_ops(spec.progress if rank == 0 else Reporter())
     if rank == 0:
         spec.progress.set(0, doing="setting up DeepSpeed")
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world)
@@ -172,31 +171,15 @@ def setup(spec: WorkerSpec) -> Worker:
                   RunLogger(spec.tracking, enabled=rank == 0))
 
 
-def prepare_deepspeed_ops(progress: Reporter) -> None:
-    """DeepSpeed compiles its CPU communication op (a C++ extension, `deepspeed_shm_comm`) the first time a machine
-    runs it: about 1.5 minutes on 2 cores, inside `deepspeed.initialize`, where nothing reaches the console. Built
-    here first when it is not built yet, saying so (a later `initialize` loads the built op)."""
-    try:
-        import deepspeed.ops
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.git_version_info import installed_ops
-        from torch.utils.cpp_extension import _get_build_directory
+def skip_inference_comm_op() -> None:
+    """Tell DeepSpeed not to build its shared-memory communication op (`deepspeed_shm_comm`). Its communication
+    backend JIT-compiles the op at start-up on a CPU machine, though only `inference_all_reduce` (tensor-parallel
+    inference) calls it; training reduces through torch.distributed. The build took 50-90 s on 2 cores, once per
+    machine and again whenever the environment's path changed (a new venv, a fresh clone), since the build file
+    records the include paths. `deepspeed.ops.__compatible_ops__` is the one dict DeepSpeed reads to decide."""
+    import deepspeed.ops
 
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False) \
-                or installed_ops.get(builder.NAME, False):
-            return
-        built = os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
-    except Exception:  # noqa: BLE001 - another DeepSpeed layout: initialize builds what it needs, unannounced
-        log.info("could not tell whether DeepSpeed's shm op is built", exc_info=True)
-        return
-    if os.path.exists(built):
-        return
-    progress.set(0, status="building DeepSpeed's CPU communication op (once per machine: 1-2 minutes)",
-                 doing="building DeepSpeed's CPU communication op")
-    started = time.perf_counter()
-    builder.load(verbose=False)
-    progress.set(0, status=f"DeepSpeed op built in {time.perf_counter() - started:.0f} s", doing="")
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def restore(w: Worker) -> Position:
