@@ -55,12 +55,14 @@ def engine_for(optimizer_name: str, preset: str, micro: int):
     from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
     from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
     from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
+    from bertpipe.jobs.pretrain.loop import skip_inference_comm_op
     from bertpipe.model import BertConfig, BertForPreTraining
 
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig.preset(preset, vocab_size=VOCAB))
     cfg = PretrainConfig(zero_stage=1, optimizer=optimizer_name, num_workers=2)
     ds = deepspeed_config(cfg, PhaseConfig(global_batch_size=2 * micro, micro_batch_size=micro), world_size=2)
+    skip_inference_comm_op()  # as the product's build_engine
     engine, *_ = deepspeed.initialize(model=model, optimizer=optim.make_optimizer(cfg, model), config=ds,
                                       dist_init_required=False)
     for group in engine.optimizer.param_groups:

@@ -95,6 +95,7 @@ def worker(rank: int, port: int, zero_stage: int, precision: str, out: str) -> N
     import torch.distributed as dist
 
     from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
+    from bertpipe.jobs.pretrain.loop import skip_inference_comm_op
     from bertpipe.jobs.pretrain.optim import Lamb
     from bertpipe.model.training import param_groups
 
@@ -102,6 +103,7 @@ def worker(rank: int, port: int, zero_stage: int, precision: str, out: str) -> N
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    skip_inference_comm_op()  # as the product's build_engine: no 50 s JIT build of an inference-only op
     model = make_model()
     engine, *_ = deepspeed.initialize(model=model, optimizer=Lamb(param_groups(model, 0.01), lr=LR),
                                       config=ds_config(zero_stage, precision), dist_init_required=False)
