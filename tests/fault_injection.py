@@ -3,7 +3,8 @@
 The session's local Ray (conftest `ray_local`) runs `install` in every worker process it starts, through Ray's
 `worker_process_setup_hook`. `install` wraps the pre-training loop's `train_step` so that, once a test has armed a
 plan (a JSON file in a folder named by an environment variable only this helper reads), the chosen rank dies with
-os._exit(1) right after the chosen optimizer step — once: a marker file keeps the retry (or the rerun) alive.
+os._exit(1) right after the chosen optimizer step — once per kill planned: the marker file lists the kills done
+(with the step the dying process had started from), so the retry (or the rerun) goes past them.
 It also wraps the downstream fan-out's trial (SQuAD, NER): armed with a learning rate, the trial of that learning
 rate raises once, as a trial that hits a bug or runs out of memory would.
 """
@@ -25,19 +26,28 @@ def install() -> None:
     from bertpipe.jobs.pretrain import loop
 
     original = loop.train_step
+    started = {}  # this process's first step: what it resumed from
 
     def train_step(w, batch, dropout_seed):
+        started.setdefault("step", w.engine.global_steps)
         out = original(w, batch, dropout_seed)
         plan_file, marker = os.path.join(folder, PLAN), os.path.join(folder, FIRED)
-        if os.path.exists(plan_file) and not os.path.exists(marker):
-            plan = json.loads(Path(plan_file).read_text())
-            if w.engine.global_steps == plan["step"] and w.rank == min(plan["rank"], w.world - 1):
-                Path(marker).touch()
-                os._exit(1)  # a crash, not an exception: Ray sees the worker process die
+        if os.path.exists(plan_file):
+            kills = json.loads(Path(plan_file).read_text())["kills"]
+            done = _kills_done(marker)
+            if len(done) < len(kills):
+                kill = kills[len(done)]
+                if w.engine.global_steps == kill["step"] and w.rank == min(kill["rank"], w.world - 1):
+                    Path(marker).write_text(json.dumps([*done, {**kill, "started_at": started["step"]}]))
+                    os._exit(1)  # a crash, not an exception: Ray sees the worker process die
         return out
 
     loop.train_step = train_step
     _wrap_trials(folder)
+
+
+def _kills_done(marker: str) -> list[dict]:
+    return json.loads(Path(marker).read_text() or "[]") if os.path.exists(marker) else []
 
 
 def _wrap_trials(folder: str) -> None:
@@ -61,9 +71,12 @@ class Faults:
     def __init__(self, folder: Path):
         self.folder = folder
 
-    def arm(self, *, step: int, rank: int = 1) -> None:
+    def arm(self, *, step: int, rank: int = 1, then: tuple[int, int] | None = None) -> None:
+        """Rank `rank` dies after optimizer step `step`; `then` = (step, rank): a second death, in the attempt
+        that follows (the retry)."""
+        kills = [{"step": step, "rank": rank}] + ([{"step": then[0], "rank": then[1]}] if then else [])
         (self.folder / FIRED).unlink(missing_ok=True)
-        (self.folder / PLAN).write_text(json.dumps({"step": step, "rank": rank}))
+        (self.folder / PLAN).write_text(json.dumps({"kills": kills}))
 
     def arm_trial(self, *, learning_rate: float) -> None:
         (self.folder / FIRED).unlink(missing_ok=True)
@@ -77,3 +90,8 @@ class Faults:
     @property
     def fired(self) -> bool:
         return (self.folder / FIRED).exists()
+
+    @property
+    def kills(self) -> list[dict]:
+        """The kills done, in order: {"step", "rank", "started_at": the step the dying process had started from}."""
+        return _kills_done(str(self.folder / FIRED))

@@ -61,9 +61,9 @@ def monkeypatch_module():
 # A second whole workflow (~90 s on 2 cores). Each stage's same-seed determinism is covered by a faster test:
 # clean by test_clean_stage.py::test_enwiki_sample_end_to_end_and_deterministic, vocab by
 # test_vocab.py::test_train_on_real_corpus_has_google_layout (a fresh interpreter writes the same bytes), pairs by
-# test_pairs_stage.py::test_same_seed_same_bytes_other_seed_differs, pretrain by test_pretrain.py::
-# test_rerun_stage_resumes and test_pretrain_lamb.py::test_lamb_resumes_bit_exactly_from_a_checkpoint (the same
-# seed twice: bit-identical weights, the same history.json and baselines.json).
+# test_pairs_stage.py::test_same_seed_same_bytes_other_seed_differs, pretrain by test_pretrain_lamb.py::
+# test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint (the same seed twice: bit-identical weights, the same
+# history.json and baselines.json).
 @pytest.mark.slow
 def test_same_seed_gives_the_same_bytes_at_every_stage(two_runs):
     a, b = (output_digests(w) for w in two_runs)

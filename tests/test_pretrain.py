@@ -1,6 +1,7 @@
 """The pretrain stage end to end on CPU (2 workers, tiny BERT, local Ray): ZeRO 1/2/3 learn and take the same
-steps, a killed worker and a rerun stage resume from the last checkpoint with bit-identical results, MLflow gets
-params/metrics/artifacts, and bad input is refused before training."""
+steps through a phase switch, MLflow gets params/metrics/artifacts, and bad input is refused before training. (The
+resume from a checkpoint, bit-identical, in the default suite: tests/test_pretrain_lamb.py; the AdamW resumes here
+are `slow`.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -168,9 +169,9 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
     assert [x.value for x in client.get_metric_history(run_id, "train/seq_length")][-2:] == [32, 64]
 
 
-# Slow (~70 s): a killed worker's in-run retry from the last checkpoint, bit-identical to the run never killed, is
-# covered by test_pretrain_lamb.py::test_lamb_resumes_bit_exactly_from_a_checkpoint (LAMB, the whole optimizer
-# state); the AdamW state restored bit-exactly from a checkpoint by test_rerun_stage_resumes below.
+# Slow (~70 s): a killed worker's in-run retry from the last checkpoint, then a rerun of the failed stage, both
+# bit-identical to the run never killed, are covered by test_pretrain_lamb.py::
+# test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint (LAMB under ZeRO 2, the whole optimizer state).
 @pytest.mark.slow
 def test_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path, faults):
     """Rank 1 dies at step 30; the retry restarts from the step-20 checkpoint and ends bit-identical to the
@@ -188,6 +189,10 @@ def test_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path, fa
     assert all(torch.equal(reference[k], got[k]) for k in reference)
 
 
+# Slow (~75 s, two Ray Train runs): the rerun of a failed stage resuming bit-exactly from its last checkpoint is
+# covered, with the larger LAMB state and through a phase switch, by test_pretrain_lamb.py::
+# test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint, which also passes through Ray Train's retry.
+@pytest.mark.slow
 def test_rerun_stage_resumes(straight, data, tmp_path, faults):
     """No retries left: the stage fails at step 30; running the stage again continues from step 20
     (checkpoints live outside the output folder) and reproduces the straight run exactly."""

@@ -1,10 +1,12 @@
 """The LAMB pre-training path end to end on CPU (2 workers, local Ray): the bert_large_lamb preset, shrunk by --set
-overrides only, learns under ZeRO 2; and a killed worker resumes that run's LAMB state from a checkpoint bit-exactly.
-The one ZeRO 2 pre-training of the default suite (ZeRO 1 and 3: tests/test_pretrain.py)."""
+overrides only, learns under ZeRO 2; and a killed run resumes that run's LAMB state from a checkpoint bit-exactly,
+both in Ray Train's retry and in a rerun of the failed stage. The one ZeRO 2 pre-training of the default suite
+(ZeRO 1 and 3: tests/test_pretrain.py)."""
 from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,19 +70,28 @@ def test_bert_large_lamb_preset_shrunk_by_overrides_learns(preset_run):
     assert m["loss"] < math.log(len(TOKENS)) + math.log(2), m  # and ends below uniform MLM + NSP guessing
 
 
-def test_lamb_resumes_bit_exactly_from_a_checkpoint(preset_run, data, tmp_path, faults):
-    """The preset's LAMB run (ZeRO 2, its per-phase schedule, the preset's max_failures): rank 0 dies at step 17,
-    the first step of phase 2; the retry loads the step-10 checkpoint of phase 1 (Adam state's resume test restarts
-    at 20) — moments, step counts, the per-phase schedule and the trust-ratio layouts —, crosses the phase switch
-    again and ends bit-identical to the uninterrupted run."""
+def test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint(preset_run, data, tmp_path, faults):
+    """The preset's LAMB run (ZeRO 2, its per-phase schedule) killed twice, with one retry allowed. Rank 0 dies at
+    step 17, the first step of phase 2: Ray Train's retry loads the step-10 checkpoint of phase 1 (the AdamW runs'
+    resume restarts at 20). Rank 1 dies again at step 19, in the retry: no retry is left and the stage fails. The
+    stage run again (a user's rerun) continues from that checkpoint, kept in the run folder outside the stage's
+    output: moments, step counts, the per-phase schedule and the trust-ratio layouts restored, the phase switch
+    crossed again, and the end is bit-identical to the run never killed, its learning curves' data too."""
+    import ray.train
+
     cfg, straight, _, _, _ = preset_run
-    assert cfg.pretrain.max_failures >= 1
-    ctx = context(tmp_path, data[1], cfg.pretrain, model=cfg.model)
-    faults.arm(step=17, rank=0)
+    pretrain = dataclasses.replace(cfg.pretrain, max_failures=1)
+    faults.arm(step=17, rank=0, then=(19, 1))
+    with pytest.raises(ray.train.TrainingFailedError):
+        run_stage(context(tmp_path, data[1], pretrain, model=cfg.model))
+    assert [(k["step"], k["started_at"]) for k in faults.kills] == [(17, 0), (19, 10)]  # the retry began at 10
+    ctx = context(tmp_path, data[1], pretrain, model=cfg.model)
     result = run_stage(ctx)
-    assert faults.fired
     assert result.metrics["resumed_from_step"] == 10 and result.metrics["step"] == 20
     assert result.metrics["lamb_layouts"] == 2  # the resumed worker's LAMB is still per layer
     reference, got = export_params(straight), export_params(ctx)
     assert reference.keys() == got.keys()
     assert all(torch.equal(reference[k], got[k]) for k in reference)
+    # the curves' data survive the resume (saved in the checkpoints) and the baselines are the same figures
+    for name in ("history.json", "baselines.json"):
+        assert (Path(ctx.output_uri) / name).read_text() == (Path(straight.output_uri) / name).read_text()

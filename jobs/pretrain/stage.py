@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -37,10 +38,15 @@ from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 log = logging.getLogger("bertpipe.pretrain")
 # Seconds the stage still takes once the workers are done, added to their ETA (jobs/pretrain/eta.py): Ray Train
 # stopping its workers, the learning curves, the model's registration (the baselines are computed during training).
-# Measured on 2-core machines (tiny): 3.5 and 4.5 s while Ray Train also stopped four Ray Data streams; since the
-# held-out rows are read without one (heldout.py), 3.0 to 5 s from run to run (machine load): 3.0 and 3.5 were each
-# too short once in a fresh-clone CI run.
-TAIL_S = 4.0
+# Measured on 2-core machines (tiny), from the last step's progress line to `pretrain done`, less the final
+# evaluation, export and checkpoint the workers count: 4.5 to 5 s while the controller polled its workers every 2 s
+# (Ray's default), 2.5 s (1 s of Ray Train, 1.5 s of the driver's own) since it polls every HEALTH_CHECK_S.
+TAIL_S = 2.5
+# How often Ray Train's controller polls its workers (Ray's default: 2 s). The poll is how it learns that training
+# ended or a worker died, so every run's end and every retry waited up to one interval for it: on the tiny preset
+# 0-2 s of a stage whose steps take 7 s. A poll is one small remote call per worker. Set in the driver's
+# environment, which Ray Train forwards to its controller; a value the user set is kept.
+HEALTH_CHECK_S = "0.5"
 
 
 def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
@@ -160,6 +166,7 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
     from ray.train.torch import TorchTrainer
 
     cfg = spec.pretrain
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_S)
     return TorchTrainer(
         train_loop_per_worker, train_loop_config={"spec": spec},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
