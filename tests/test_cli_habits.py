@@ -2,8 +2,8 @@
 
 `--version`; `--help` that lists the stages and the presets from the code's own lists; `bertpipe config` printing
 the resolved config; hints that carry the user's --config / --workdir / --set; a closed stdout that ends quietly;
-a Ray cluster that refuses the token in one line (exit 2); `submit` that follows the job like `ray job submit`.
-The cluster tests start a real token-protected Ray head (tests/test_cluster_e2e.py's fixture) and stop it.
+(a Ray cluster that refuses the token in one line and `submit` following the job like `ray job submit`: in
+tests/test_cluster_e2e.py, on its cluster).
 """
 from __future__ import annotations
 
@@ -242,118 +242,6 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_an_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr == "bertpipe: error: [Errno 32] Broken pipe\n"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# a token-protected Ray cluster
-
-# test_cluster_e2e.py's fixture, registered here as `e2e_cluster`: infra/local/cluster.sh starts a real Ray head
-# with token auth (and its MLflow server) for this module, and stops it.
-from test_cluster_e2e import cluster as e2e_cluster  # noqa: E402,F401
-
-
-@pytest.fixture(scope="module")
-def token_cluster(request):
-    return request.getfixturevalue("e2e_cluster")
-
-
-def _client_env(cluster: dict, home: Path, **token: str) -> dict[str, str]:
-    """The cluster's client env with the token taken away (and a HOME without ~/.ray/auth_token), plus `token`."""
-    env = {k: v for k, v in cluster["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
-    home.mkdir(exist_ok=True)
-    env["HOME"] = str(home)
-    env.update(token)
-    return env
-
-
-REFUSED = re.compile(r"^bertpipe: error: the Ray cluster at (\S+) refused authentication \((.+?)\); bertpipe sends "
-                     r"the token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/\.ray/auth_token "
-                     r"\(set it to the cluster's token\)\n$")
-
-
-@pytest.mark.integration
-def test_a_refused_token_is_one_line_with_exit_2(token_cluster, tmp_path):
-    wrong = tmp_path / "wrong_token"
-    wrong.write_text("0" * 64)
-    (tmp_path / "home2" / ".ray").mkdir(parents=True)
-    (tmp_path / "home2" / ".ray" / "auth_token").write_text("e" * 64)
-    cases = {
-        "no token": (_client_env(token_cluster, tmp_path / "home"), "no token was sent"),
-        "no token, mode on": (_client_env(token_cluster, tmp_path / "home", RAY_AUTH_MODE="token"),
-                              "no token was sent"),
-        "wrong RAY_AUTH_TOKEN": (_client_env(token_cluster, tmp_path / "home", RAY_AUTH_TOKEN="f" * 64),
-                                 "it does not accept the token from RAY_AUTH_TOKEN"),
-        "wrong token file": (_client_env(token_cluster, tmp_path / "home", RAY_AUTH_TOKEN_PATH=str(wrong)),
-                             f"it does not accept the token from the file {wrong} (RAY_AUTH_TOKEN_PATH)"),
-        "wrong ~/.ray/auth_token": (_client_env(token_cluster, tmp_path / "home2"),
-                                    f"it does not accept the token from the file {tmp_path}/home2/.ray/auth_token"),
-    }
-    commands = [["jobs", "list"], ["jobs", "logs", "raysubmit_x"], ["jobs", "status", "raysubmit_x"],
-                ["submit", "--", "--version"], ["submit", "--no-wait", "--", "--version"]]
-    # Every way of sending a token with one command, and every command with one way (the refusal is found in one
-    # place for all of them): 9 calls of a second each, where every pair would be 25.
-    pairs = [(case, commands[0]) for case in cases] + [("wrong RAY_AUTH_TOKEN", c) for c in commands[1:]]
-    for case, command in pairs:
-        env, why = cases[case]
-        out = bertpipe(*command, env=env, cwd=tmp_path)
-        assert out.returncode == 2, (case, command, out.stdout, out.stderr)
-        m = REFUSED.match(out.stderr)
-        assert m, (case, command, out.stderr)
-        assert m.group(1) == token_cluster["dashboard"] and m.group(2) == why, (case, command, out.stderr)
-        assert out.stdout == ""
-    # Nothing was submitted by the refused calls.
-    listed = bertpipe("jobs", "list", env=token_cluster["env"], cwd=tmp_path)
-    assert listed.returncode == 0 and listed.stdout == "", listed.stderr
-
-    unreadable = _client_env(token_cluster, tmp_path / "home", RAY_AUTH_TOKEN_PATH=str(tmp_path / "absent"))
-    out = bertpipe("jobs", "list", env=unreadable, cwd=tmp_path)
-    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
-    assert f"cannot read the Ray token file {tmp_path / 'absent'} that RAY_AUTH_TOKEN_PATH names" in out.stderr
-    (tmp_path / "empty").write_text("\n")
-    out = bertpipe("jobs", "list", env={**unreadable, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "empty")}, cwd=tmp_path)
-    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
-    assert f"the Ray token file {tmp_path / 'empty'} that RAY_AUTH_TOKEN_PATH names is empty" in out.stderr
-
-
-@pytest.mark.integration
-def test_submit_follows_the_job_to_its_end_like_ray_job_submit(token_cluster, tmp_path):
-    env = token_cluster["env"]
-    ok = bertpipe("submit", "--", "--version", env=env, cwd=tmp_path)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in ok.stdout  # the job's own output, followed
-    assert re.search(r"^\[bertpipe\] job \S+ SUCCEEDED after", ok.stdout, re.M), ok.stdout
-
-    # A job that fails: its log, its final state, and its own exit status (2: bad input).
-    bad = bertpipe("submit", "--", "config", "--config", "no_such_preset", env=env, cwd=tmp_path)
-    assert bad.returncode == 2, bad.stdout + bad.stderr
-    assert "bertpipe: error: config 'no_such_preset' not found" in bad.stdout
-    assert re.search(r"^\[bertpipe\] job \S+ FAILED after", bad.stdout, re.M), bad.stdout
-
-    # --wait, the old spelling of the default, is still accepted.
-    old = bertpipe("submit", "--wait", "--", "--version", env=env, cwd=tmp_path)
-    assert old.returncode == 0 and "SUCCEEDED" in old.stdout, old.stdout + old.stderr
-
-
-@pytest.mark.integration
-def test_submit_no_wait_returns_at_once_with_the_commands_that_follow_the_job(token_cluster, tmp_path):
-    env = token_cluster["env"]
-    t0 = time.monotonic()
-    out = bertpipe("submit", "--no-wait", "--address", token_cluster["dashboard"], "--", "--version", env=env,
-                   cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = re.search(r"^job:\s+(\S+)$", out.stdout, re.M).group(1)
-    assert "following" not in out.stdout and "SUCCEEDED" not in out.stdout
-    assert time.monotonic() - t0 < 60
-    shown = dict(re.findall(r"^(follow|status|stop):\s+(.+)$", out.stdout, re.M))
-    address = ["--address", token_cluster["dashboard"]]
-    assert shlex.split(shown["follow"]) == ["bertpipe", "jobs", "logs", "--follow", job, *address]
-    assert shlex.split(shown["status"]) == ["bertpipe", "jobs", "status", job, *address]
-    assert shlex.split(shown["stop"]) == ["bertpipe", "jobs", "stop", job, *address]
-    followed = bertpipe(*shlex.split(shown["follow"])[1:], env=env, cwd=tmp_path)
-    assert followed.returncode == 0, followed.stdout + followed.stderr
-    assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in followed.stdout
-    status = bertpipe(*shlex.split(shown["status"])[1:], env=env, cwd=tmp_path)
-    assert status.returncode == 0 and status.stdout.startswith(f"{job}: SUCCEEDED"), status.stdout + status.stderr
 
 
 @pytest.mark.integration

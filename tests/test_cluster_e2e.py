@@ -1,13 +1,16 @@
 """End to end on real components: infra/local/cluster.sh starts a Ray head (token auth) and an MLflow server;
 `bertpipe submit -- run` runs the whole tiny workflow as a Ray job; MLflow is read back over its REST API;
 a resubmission skips every stage; `--only pairs --force` reruns just pairs and leaves later stages stale;
-the dashboard refuses requests without the token; the cluster stops and nothing is left running.
+the dashboard refuses requests without the token; the CLI's answer to a refused token, and `submit` following a
+job; the cluster stops and nothing is left running.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -67,9 +70,13 @@ def cluster():
         shutil.rmtree(state, ignore_errors=True)
 
 
+def bertpipe(*args: str, cwd: Path, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "bertpipe"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def _bertpipe(cluster, *args, timeout=1500) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "bertpipe"), *args], env=cluster["env"], capture_output=True, text=True,
-                          timeout=timeout, cwd=cluster["state"])
+    return bertpipe(*args, cwd=cluster["state"], env=cluster["env"], timeout=timeout)
 
 
 def _mlflow(cluster, method: str, path: str, body: dict | None = None) -> dict:
@@ -148,3 +155,108 @@ def test_submitted_workflow_runs_every_stage_then_skips_then_reruns_one(cluster,
     states = {r["stage"]: r["state"] for r in json.loads(status.stdout)}
     assert states == {"clean": "fresh", "vocab": "fresh", "pairs": "fresh", "pretrain": "stale",
                       "finetune": "stale"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CLI's habits with a token-protected cluster (issue 26, item 5): a refused token is one line, exit 2;
+# `submit` follows the job like `ray job submit`. On this module's cluster: no second one started.
+
+def _client_env(cluster: dict, home: Path, **token: str) -> dict[str, str]:
+    """The cluster's client env with the token taken away (and a HOME without ~/.ray/auth_token), plus `token`."""
+    env = {k: v for k, v in cluster["env"].items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    home.mkdir(exist_ok=True)
+    env["HOME"] = str(home)
+    env.update(token)
+    return env
+
+
+REFUSED = re.compile(r"^bertpipe: error: the Ray cluster at (\S+) refused authentication \((.+?)\); bertpipe sends "
+                     r"the token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH names, else ~/\.ray/auth_token "
+                     r"\(set it to the cluster's token\)\n$")
+
+
+@pytest.mark.integration
+def test_a_refused_token_is_one_line_with_exit_2(cluster, tmp_path):
+    before = bertpipe("jobs", "list", env=cluster["env"], cwd=tmp_path)
+    assert before.returncode == 0, before.stderr
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("0" * 64)
+    (tmp_path / "home2" / ".ray").mkdir(parents=True)
+    (tmp_path / "home2" / ".ray" / "auth_token").write_text("e" * 64)
+    cases = {
+        "no token": (_client_env(cluster, tmp_path / "home"), "no token was sent"),
+        "no token, mode on": (_client_env(cluster, tmp_path / "home", RAY_AUTH_MODE="token"),
+                              "no token was sent"),
+        "wrong RAY_AUTH_TOKEN": (_client_env(cluster, tmp_path / "home", RAY_AUTH_TOKEN="f" * 64),
+                                 "it does not accept the token from RAY_AUTH_TOKEN"),
+        "wrong token file": (_client_env(cluster, tmp_path / "home", RAY_AUTH_TOKEN_PATH=str(wrong)),
+                             f"it does not accept the token from the file {wrong} (RAY_AUTH_TOKEN_PATH)"),
+        "wrong ~/.ray/auth_token": (_client_env(cluster, tmp_path / "home2"),
+                                    f"it does not accept the token from the file {tmp_path}/home2/.ray/auth_token"),
+    }
+    commands = [["jobs", "list"], ["jobs", "logs", "raysubmit_x"], ["jobs", "status", "raysubmit_x"],
+                ["submit", "--", "--version"], ["submit", "--no-wait", "--", "--version"]]
+    # Every way of sending a token with one command, and every command with one way (the refusal is found in one
+    # place for all of them): 9 calls of a second each, where every pair would be 25.
+    pairs = [(case, commands[0]) for case in cases] + [("wrong RAY_AUTH_TOKEN", c) for c in commands[1:]]
+    for case, command in pairs:
+        env, why = cases[case]
+        out = bertpipe(*command, env=env, cwd=tmp_path)
+        assert out.returncode == 2, (case, command, out.stdout, out.stderr)
+        m = REFUSED.match(out.stderr)
+        assert m, (case, command, out.stderr)
+        assert m.group(1) == cluster["dashboard"] and m.group(2) == why, (case, command, out.stderr)
+        assert out.stdout == ""
+    # Nothing was submitted by the refused calls.
+    listed = bertpipe("jobs", "list", env=cluster["env"], cwd=tmp_path)
+    assert listed.returncode == 0 and listed.stdout == before.stdout, listed.stderr
+
+    unreadable = _client_env(cluster, tmp_path / "home", RAY_AUTH_TOKEN_PATH=str(tmp_path / "absent"))
+    out = bertpipe("jobs", "list", env=unreadable, cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert f"cannot read the Ray token file {tmp_path / 'absent'} that RAY_AUTH_TOKEN_PATH names" in out.stderr
+    (tmp_path / "empty").write_text("\n")
+    out = bertpipe("jobs", "list", env={**unreadable, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "empty")}, cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert f"the Ray token file {tmp_path / 'empty'} that RAY_AUTH_TOKEN_PATH names is empty" in out.stderr
+
+
+@pytest.mark.integration
+def test_submit_follows_the_job_to_its_end_like_ray_job_submit(cluster, tmp_path):
+    env = cluster["env"]
+    ok = bertpipe("submit", "--", "--version", env=env, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in ok.stdout  # the job's own output, followed
+    assert re.search(r"^\[bertpipe\] job \S+ SUCCEEDED after", ok.stdout, re.M), ok.stdout
+
+    # A job that fails: its log, its final state, and its own exit status (2: bad input).
+    bad = bertpipe("submit", "--", "config", "--config", "no_such_preset", env=env, cwd=tmp_path)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "bertpipe: error: config 'no_such_preset' not found" in bad.stdout
+    assert re.search(r"^\[bertpipe\] job \S+ FAILED after", bad.stdout, re.M), bad.stdout
+
+    # --wait, the old spelling of the default, is still accepted.
+    old = bertpipe("submit", "--wait", "--", "--version", env=env, cwd=tmp_path)
+    assert old.returncode == 0 and "SUCCEEDED" in old.stdout, old.stdout + old.stderr
+
+
+@pytest.mark.integration
+def test_submit_no_wait_returns_at_once_with_the_commands_that_follow_the_job(cluster, tmp_path):
+    env = cluster["env"]
+    t0 = time.monotonic()
+    out = bertpipe("submit", "--no-wait", "--address", cluster["dashboard"], "--", "--version", env=env,
+                   cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = re.search(r"^job:\s+(\S+)$", out.stdout, re.M).group(1)
+    assert "following" not in out.stdout and "SUCCEEDED" not in out.stdout
+    assert time.monotonic() - t0 < 60
+    shown = dict(re.findall(r"^(follow|status|stop):\s+(.+)$", out.stdout, re.M))
+    address = ["--address", cluster["dashboard"]]
+    assert shlex.split(shown["follow"]) == ["bertpipe", "jobs", "logs", "--follow", job, *address]
+    assert shlex.split(shown["status"]) == ["bertpipe", "jobs", "status", job, *address]
+    assert shlex.split(shown["stop"]) == ["bertpipe", "jobs", "stop", job, *address]
+    followed = bertpipe(*shlex.split(shown["follow"])[1:], env=env, cwd=tmp_path)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in followed.stdout
+    status = bertpipe(*shlex.split(shown["status"])[1:], env=env, cwd=tmp_path)
+    assert status.returncode == 0 and status.stdout.startswith(f"{job}: SUCCEEDED"), status.stdout + status.stderr
