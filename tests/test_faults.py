@@ -256,16 +256,21 @@ def test_full_disk_ends_in_three_lines_with_no_temporary_file_left(committed, ho
 @pytest.mark.integration
 def test_error_inside_a_ray_data_task_shows_its_cause_only(committed, home, tmp_path, ray_tmp):
     """A committed clean shard rotted in place (same size: only `status --verify` would notice): the pairs stage's
-    Ray Data read task fails on it, on a worker."""
-    workdir = copy_of(committed, tmp_path / "w")
+    Ray Data read task fails on it, on a worker. The workdir is given relative to where the user is, and the resume
+    command gives it back as typed, with the user's options."""
+    rel = f"w-{tmp_path.name}"
+    workdir = copy_of(committed, home / rel)
     shard = next((workdir / "clean").glob("docs-*.parquet"))
     data = bytearray(shard.read_bytes())
     data[4:len(data) // 2] = b"\x07" * (len(data) // 2 - 4)  # the data pages; magic bytes and footer intact
     shard.write_bytes(bytes(data))
-    run = bertpipe(home, "run", "--workdir", str(workdir), "--only", "pairs", *QUIET, ray_tmp=ray_tmp)
+    run = bertpipe(home, "run", "--workdir", rel, "--only", "pairs", *QUIET, ray_tmp=ray_tmp)
 
     assert run.returncode == 1, run.stderr
     cause, log_file = assert_closing_lines(run.stderr, "stage pairs failed: ", "pairs")
+    assert log_file.parent == workdir / "logs"
+    assert run.stderr.splitlines()[2] == ("bertpipe: after fixing it, resume with: bertpipe run --config tiny "
+                                          f"--workdir {rel} {' '.join(QUIET)} --from pairs"), run.stderr
     # The worker's own error, named as the worker raised it, and which task (Ray Data's Parquet reader reads a
     # file's metadata in one task, its rows in another): not "ray::ReadParquet...()" in colour.
     assert re.fullmatch(r"bertpipe: stage pairs failed: OSError: .+ \(in Ray task \w+\)", cause), cause
@@ -274,6 +279,7 @@ def test_error_inside_a_ray_data_task_shows_its_cause_only(committed, home, tmp_
     pairs = runs(f"sqlite:///{workdir / 'mlflow.db'}")["pairs"]
     assert pairs.info.status == "FAILED" and "\x1b[" not in pairs.data.tags["bertpipe.error"]
     assert temporaries(workdir) == []
+    shutil.rmtree(workdir)
 
 
 # ------------------------------------------------------------------------------------------------------------------

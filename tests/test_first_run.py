@@ -4,7 +4,8 @@ test can look inside Ray's session folders afterwards).
 
 Covers: every output lands under the workdir and nothing under Ray's folders; a second run only skips; a stage
 whose declared output is gone is broken and reruns without --force; every stage runs alone from explicit inputs
-in an empty workdir; a stage that fails at run time names itself, its log and the command that resumes.
+in an empty workdir; a stage that fails at run time names itself, its log and the command that resumes (slow: the
+default suite has it in tests/test_faults.py).
 """
 from __future__ import annotations
 
@@ -162,6 +163,10 @@ def test_finetune_runs_alone_from_a_pretrained_bert(ray_tmp, tmp_path):
     assert any(r["uri"].endswith("model.safetensors") for r in manifest["raw_inputs"])
 
 
+# Slow (~27 s, a local Ray of its own): a stage failing at run time, in three lines naming the stage, its log under
+# the workdir and the resume command with the user's relative --workdir and options as typed, is
+# tests/test_faults.py::test_error_inside_a_ray_data_task_shows_its_cause_only (a Ray Data task failing in pairs).
+@pytest.mark.slow
 def test_a_stage_failing_at_run_time_names_itself_its_log_and_the_resume_command(ray_tmp, tmp_path, enwiki_sample):
     broken = tmp_path / "cut.xml.bz2"
     # cut past the first MiB of XML: the start-up check reads only the head and passes; the clean stage meets the cut
