@@ -61,6 +61,24 @@ def test_evaluations_and_checkpoints_count_once_measured(tiny):
     assert eta.seconds_left(schedule, clock, 40, 1) > 3.0
 
 
+def test_a_timed_held_out_batch_prices_each_evaluation_until_one_ran(tiny):
+    """On a CPU the workers time one held-out batch of each phase before the first step (loop.time_eval_batches):
+    every evaluation not yet measured costs its batches at that time; a measured one costs what it took."""
+    cfg, schedule, clock = tiny
+    rule = eta.seconds_left(schedule, clock, 19, 0)
+    clock.eval_batch_s.update({0: 0.25, 1: 0.5})
+    timed = eta.seconds_left(schedule, clock, 19, 0)
+    clock.eval_batch_s.update({0: 0.5, 1: 1.0})
+    doubled = eta.seconds_left(schedule, clock, 19, 0)
+    # the evaluation at step 20 (phase 1's length) and the final one (phase 2's)
+    assert doubled - timed == pytest.approx(schedule.eval_batches(0) * 0.25 + schedule.eval_batches(1) * 0.5)
+    assert timed != pytest.approx(rule)
+    clock.eval_s[0] = 2.0  # the evaluation at step 20 ran: its phase's timed batch no longer counts
+    measured = eta.seconds_left(schedule, clock, 19, 0)
+    clock.eval_batch_s[0] = 9.0
+    assert eta.seconds_left(schedule, clock, 19, 0) == pytest.approx(measured)
+
+
 def test_epoch_boundaries_open_streams_but_not_a_phase_first(tiny):
     cfg, _, clock = tiny
     clock.stream_start_s = 5.0

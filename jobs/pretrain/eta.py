@@ -9,8 +9,9 @@ everything still scheduled:
 - each data stream still to open: a new epoch (Ray Data starts an execution for each, seconds on a small machine;
   every phase's first one is opened, and the held-out rows read, before the first step, loop.open_streams), priced by
   the longest stream start measured;
-- each held-out evaluation still scheduled, and the final one: measured once one ran, before that its forward
-  passes at the measured training speed (a forward pass is about a third of a training step);
+- each held-out evaluation still scheduled, and the final one: measured once one ran; before that, on a CPU, from
+  one held-out batch timed before the first step (loop.time_eval_batches), else its forward passes at the measured
+  training speed (a forward pass is about a third of a training step);
 - each checkpoint still scheduled, and the export: measured once a checkpoint ran; before that their bytes at an
   assumed storage speed plus a fixed part.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 
 EVAL_BATCH = 32  # loop.evaluate's batch size
-FIXED_SAVE_S = 0.25  # a checkpoint's bookkeeping (Ray Train's report) before one was measured
+FIXED_SAVE_S = 0.1  # a checkpoint's bookkeeping (Ray Train's report) before one was measured: 0.0-0.1 s measured
 ASSUMED_BYTES_S = 200e6  # storage speed assumed for a checkpoint before one was measured
 STEADY_STEPS = 3  # steps of a phase before its own step time prices its remaining steps
 
@@ -58,11 +59,13 @@ def state_bytes(model: ModelConfig, vocab_size: int) -> tuple[float, float]:
 @dataclass
 class Clock:
     """What rank 0 measured: seconds per optimizer step of each phase (stream starts, evaluations and checkpoints
-    excluded), the last stream start, the last evaluation of each phase, the last checkpoint."""
+    excluded), the last stream start, the last evaluation of each phase (and one timed batch of each), the last
+    checkpoint."""
 
     step_s: dict[int, list[float]] = field(default_factory=dict)
     stream_start_s: float | None = None
     eval_s: dict[int, float] = field(default_factory=dict)
+    eval_batch_s: dict[int, float] = field(default_factory=dict)  # one held-out batch's forward, per phase
     checkpoint_s: float | None = None
 
     def step(self, phase: int, seconds: float) -> None:
@@ -141,6 +144,8 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
     def eval_s(q: int) -> float:
         if q in clock.eval_s:
             return clock.eval_s[q]
+        if q in clock.eval_batch_s:
+            return s.eval_batches(q) * clock.eval_batch_s[q]
         # Its rows were read before training (loop.read_heldout): only forward passes, about a third of a training
         # step per sequence; every worker evaluates its share of the rows.
         per_sequence = step_s(q) / (cfg.phases[q].global_batch_size / s.world)

@@ -268,6 +268,29 @@ def open_streams(w: Worker, position: Position) -> None:
             heldout_batches(w, phase)
         for future in futures:
             future.result()
+    time_eval_batches(w)  # with the streams open: timed as the machine will be during training
+
+
+def time_eval_batches(w: Worker) -> None:
+    """On a CPU, one held-out batch of each phase through the model, timed: what an evaluation costs before the first
+    one ran (eta.py). Pricing it from the training step instead (a forward is a third of a step's work per sequence)
+    holds where compute dominates a step; on a CPU's small models the optimizer and the all-reduce do, and the
+    evaluations came out 2-3 times dearer than they were (the tiny preset's ETA 3 s high at step 10 of 40). Not on a
+    GPU: the rule holds there, and a compiled model's first evaluation compiles (its timing would be the compiler's)."""
+    if w.device.type != "cpu" or compile_enabled(w.spec.pretrain):
+        return
+    cfg = w.spec.pretrain
+    w.engine.eval()
+    with torch.no_grad():
+        for q, (phase, steps) in enumerate(zip(cfg.phases, cfg.phase_steps())):
+            batches = heldout_batches(w, phase) if steps else []
+            if batches:
+                rng = batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, 0)
+                batch = to_device(collate(batches[0], masking_spec(w, phase, False), rng), w.device)
+                started = time.perf_counter()
+                forward(w, batch)
+                w.clock.eval_batch_s[q] = time.perf_counter() - started
+    w.engine.train()
 
 
 def _open_epoch(w: Worker, phase_index: int, epoch: int) -> None:
