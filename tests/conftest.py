@@ -97,8 +97,8 @@ def real_pairs(tmp_path_factory, ray_local, enwiki_sample) -> Path:
     return workdir
 
 
-# The tiny preset made short for the tests that watch one whole user run (tests/test_first_run.py,
-# tests/test_watching.py): the point is where things land and what the user sees, not how well it learns.
+# The tiny preset made short, for a whole workflow whose plumbing is under test, not its learning
+# (tests/test_cluster_e2e.py's submitted run).
 USER_RUN_SETTINGS = ["--set", "pretrain.max_steps=6", "--set", "pretrain.checkpoint_every_steps=3",
                      "--set", "pretrain.log_every_steps=2", "--set", "pretrain.eval_every_steps=0",
                      "--set", "finetune.tasks=[MRPC]", "--set", "finetune.learning_rates=[1e-4]",
@@ -112,42 +112,23 @@ def user_env(ray_tmp: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def user_run(tmp_path_factory, enwiki_sample):
-    """One whole `bertpipe run` as a new user types it, shared by the tests that inspect it: from a directory
-    that is neither the repo nor the workdir, with `--workdir` relative to it, MLflow tracking on (the default),
-    its own local Ray (a temp dir of its own, so tests can look inside Ray's folders), the console read as it
-    comes (the printed dashboard is asked whether it answers while the run goes)."""
-    import re
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-    import urllib.error
-    import urllib.request
+def clone(tmp_path_factory, sample_dumps):
+    """A fresh clone of the tree under test, set up as `make setup` does, offline (tests/made_run.py)."""
+    from made_run import new_clone
 
-    home = tmp_path_factory.mktemp("user")
-    cwd = home / "elsewhere"
-    cwd.mkdir()
-    # Short: Ray's Unix socket paths under its temp dir must stay below 108 bytes.
-    ray_tmp = Path(tempfile.mkdtemp(prefix="bpu-", dir="/tmp"))
-    args = ["run", "--config", "tiny", "--workdir", "../rel/work", "--set", f"clean.input={enwiki_sample}",
-            *USER_RUN_SETTINGS]
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "bertpipe"), *args], cwd=cwd, env=user_env(ray_tmp),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, dashboard = [], None
-    for line in proc.stdout:
-        stdout.append(line.rstrip("\n"))
-        m = re.search(r"dashboard (http://127\.0\.0\.1:\d+)", line)
-        if m and dashboard is None:
-            try:
-                with urllib.request.urlopen(m.group(1) + "/api/version", timeout=10) as resp:
-                    dashboard = resp.status
-            except urllib.error.HTTPError as err:  # 401 with token auth on: it answers and refuses the anonymous
-                dashboard = err.code
-            except OSError as err:
-                dashboard = str(err)
-    stderr = proc.stderr.read()
-    proc.wait(timeout=900)
-    yield {"home": home, "cwd": cwd, "workdir": home / "rel" / "work", "args": args, "rc": proc.returncode,
-           "stdout": stdout, "stderr": stderr.splitlines(), "dashboard": dashboard, "ray_tmp": ray_tmp}
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+    dest = tmp_path_factory.mktemp("first-hour") / "bertpipe"
+    why_not = new_clone(dest)
+    if why_not:
+        pytest.skip(why_not)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def made_run(clone):
+    """The README's first command, `make run`, in that clone, once for the session: the one whole workflow run the
+    tests that watch a user's run inspect (tests/test_first_hour.py, test_first_run.py, test_watching.py). Tests
+    that change its workdir work on a copy."""
+    from made_run import make_run
+
+    with make_run(clone) as run:
+        yield run

@@ -1,13 +1,8 @@
 """A user's first hour, as the user lives it: a fresh clone, `make run` (the README's first command) on a machine
 where DeepSpeed never built its CPU op, then the README's follow-up commands in a clean shell (no venv on PATH).
 
-The clone is `git clone` of this repository with the working tree's uncommitted files copied over (the tree under
-test). Its `.venv` is made as `make setup` makes it, minus the downloads: a venv of the same Python whose
-site-packages path lists this test environment's (the same pinned stack), the clone installed into it editable
-(`pip install -e`, offline) and the console scripts of the stack (mlflow, ray, ...) beside its python;
-`.venv/.installed` is then newer than pyproject.toml, so `make run` goes straight to `bertpipe fetch-sample`
-(offline too: the gensim wheel is copied into the clone's data/downloads, and fetch-sample extracts the dumps
-from it) and the run. DeepSpeed's JIT cache is an empty folder (TORCH_EXTENSIONS_DIR), as on a new machine.
+The clone and its `make run` are conftest's `clone` and `made_run` (tests/made_run.py says how they are made:
+offline, with DeepSpeed's JIT cache an empty folder, as on a new machine).
 
 Checked on that one run: the console (at most 80 lines, never silent for more than 15 s, no DeepSpeed op compiled,
 each stage's summary in its own unit, where everything is at the end), the pre-training ETA against the time the
@@ -25,10 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,115 +27,14 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from made_run import REPO, clean_env
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
 STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
 UNITS = {"clean": "documents", "vocab": "vocabulary entries", "pairs": "instances", "pretrain": "steps",
          "finetune": "trials"}
 MAX_LINES, MAX_SILENCE_S, ETA_TOLERANCE = 80, 15.0, 0.25
-
-
-def _copy_tree_under_test(dest: Path) -> None:
-    """`git clone` of the repo, then the working tree's modified and untracked (not ignored) files over it, and
-    its deletions: the clone holds exactly the tree under test."""
-    subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], check=True, timeout=120)
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
-        src, dst = REPO / rel, dest / rel
-        if src.is_file():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dst)
-        elif not src.exists() and dst.exists():
-            dst.unlink()
-
-
-def _venv_without_downloads(clone: Path) -> None:
-    venv = clone / ".venv"
-    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                                  check=True).stdout.strip())
-    # A path line in a .pth: this environment's packages importable, without running its own .pth files (its
-    # editable finder would import the repo's code instead of the clone's).
-    (purelib / "_bertpipe_test_stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                    "--no-build-isolation", "-e", str(clone)], check=True, capture_output=True, timeout=300)
-    here, there = Path(sys.executable).parent, venv / "bin"
-    shebang = f"#!{here / 'python'}".encode()
-    for script in here.iterdir():
-        target = there / script.name
-        if target.exists() or not script.is_file():
-            continue
-        data = script.read_bytes()
-        if data.startswith(shebang + b"\n") or data.startswith(shebang + b" "):
-            target.write_bytes(f"#!{there / 'python'}".encode() + data[len(shebang):])
-            target.chmod(0o755)
-    (venv / ".installed").touch()  # newer than pyproject.toml and constraints.txt: make skips setup
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The user's shell: no venv on PATH, no virtualenv, no tracking URI or Ray address of the test session."""
-    drop = {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "MLFLOW_TRACKING_URI", "RAY_ADDRESS", "MAKEFLAGS", "MFLAGS",
-            "MAKELEVEL"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and not p.rstrip("/").endswith("/.venv/bin")
-                                  and Path(p).resolve() != Path(sys.executable).parent.resolve())
-    return {**env, **extra}
-
-
-def _read_lines(stream, out: list, t0: float) -> None:
-    for line in stream:
-        out.append((time.monotonic() - t0, time.time(), line.rstrip("\n")))
-
-
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory, sample_dumps):
-    for tool in ("git", "make", "bash"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"needs {tool}")
-    wheels = sorted((REPO / "data" / "downloads").glob("gensim-4.4.0-*.whl"))
-    if not wheels:
-        pytest.skip("the gensim wheel is not in data/downloads (bertpipe fetch-sample puts it there)")
-    dest = tmp_path_factory.mktemp("first-hour") / "bertpipe"
-    _copy_tree_under_test(dest)
-    _venv_without_downloads(dest)
-    (dest / "data" / "downloads").mkdir(parents=True)
-    shutil.copy2(wheels[0], dest / "data" / "downloads" / wheels[0].name)
-    return dest
-
-
-@pytest.fixture(scope="module")
-def made_run(clone):
-    """`make run` in the clone, each console line (stdout and stderr) with its arrival time."""
-    ray_tmp = Path(tempfile.mkdtemp(prefix="bpfh-", dir="/tmp"))  # Ray's socket paths must stay short
-    ops = Path(tempfile.mkdtemp(prefix="bpfh-ops-"))  # DeepSpeed's JIT cache, empty: a new machine
-    env = clean_env(RAY_TMPDIR=str(ray_tmp), TORCH_EXTENSIONS_DIR=str(ops))
-    t0 = time.monotonic()
-    proc = subprocess.Popen(["make", "run"], cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    out, err = [], []
-    readers = [threading.Thread(target=_read_lines, args=(proc.stdout, out, t0), daemon=True),
-               threading.Thread(target=_read_lines, args=(proc.stderr, err, t0), daemon=True)]
-    for r in readers:
-        r.start()
-    try:
-        proc.wait(timeout=1800)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # our own make and what it started
-        proc.wait()
-    for r in readers:
-        r.join(timeout=30)
-    ended = time.monotonic() - t0
-    lines = sorted(out + err, key=lambda x: x[0])
-    yield {"rc": proc.returncode, "lines": lines, "stdout": [l for _, _, l in sorted(out)], "ended": ended,
-           "clone": clone, "workdir": clone / "work" / "tiny", "env": clean_env(),
-           "ops_built": sorted(p.name for p in ops.rglob("*") if p.is_file())}
-    shutil.rmtree(ray_tmp, ignore_errors=True)
-    shutil.rmtree(ops, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from bertpipe.pipeline.vocab import load_vocab, vocab_file
 # learns and takes ZeRO 1's steps (test_pretrain.py::test_two_phases_zero3_learns_and_ends_at_phase2_length), ZeRO 2
 # learns (test_pretrain_lamb.py::test_bert_large_lamb_preset_shrunk_by_overrides_learns) and takes ZeRO 1's steps
 # (test_lamb_deepspeed.py, exactly); pretrain on shards the real workflow built from the enwiki sample runs in
-# test_mini_preset.py and in conftest's `user_run`.
+# test_mini_preset.py and in conftest's `made_run`.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SEQ = 64

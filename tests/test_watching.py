@@ -1,7 +1,7 @@
-"""Watching a run as a user does: the console of a small `bertpipe run` (short, stage headers, progress, summary,
-no repeated warning), the dashboard it prints answering while the run goes, and MLflow read back through its
-client afterwards (headline metrics and tags on the workflow run, a registered model that loads, final
-evaluations at the last step; slow: a failed stage marked FAILED with its error and traceback)."""
+"""Watching a run as a user does: the console of `make run` (conftest's shared `made_run`: short, stage headers,
+progress, summary, no repeated warning), the dashboard it prints answering while the run goes, and MLflow read
+back through its client afterwards (headline metrics and tags on the workflow run, a registered model that loads,
+final evaluations at the last step; slow: a failed stage marked FAILED with its error and traceback)."""
 from __future__ import annotations
 
 import collections
@@ -13,18 +13,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import USER_RUN_SETTINGS, user_env
+from conftest import user_env
 
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-STEPS = 6  # pretrain.max_steps of conftest.USER_RUN_SETTINGS
 
 
 @pytest.fixture(scope="module")
-def watched(user_run):
-    """conftest's shared user run (the tiny preset with USER_RUN_SETTINGS, tracking on)."""
-    return user_run
+def watched(made_run):
+    """conftest's shared `make run` (the tiny preset, tracking on)."""
+    return made_run
+
+
+def _steps() -> int:
+    from bertpipe.jobs.config import load_config
+
+    return load_config("tiny").pretrain.max_steps
 
 
 def test_console_is_short_and_says_what_runs(watched):
@@ -33,8 +38,9 @@ def test_console_is_short_and_says_what_runs(watched):
     assert len(everything) <= 100, "\n".join(everything)
     for k, stage in enumerate(["clean", "vocab", "pairs", "pretrain", "finetune"], 1):
         assert any(line.startswith(f"[stage {k}/5] {stage}: running") for line in watched["stdout"])
-    assert any(re.match(r"  pretrain: \d+/6 \(\d+%\) steps · loss [\d.]+", line) for line in watched["stdout"])
-    assert any(re.match(r"  finetune: (\d+)/\1 \(100%\) steps · trials 1/1 · best [\d.]+", line)
+    steps = _steps()
+    assert any(re.match(rf"  pretrain: \d+/{steps} \(\d+%\) steps · loss [\d.]+", line) for line in watched["stdout"])
+    assert any(re.match(r"  finetune: (\d+)/\1 \(100%\) steps · trials (\d+)/\2 · best [\d.]+", line)
                for line in watched["stdout"]), "\n".join(watched["stdout"])
     assert any(re.fullmatch(r"stage +status +output +time", line) for line in watched["stdout"])
     assert any(line.startswith("GLUE score") for line in watched["stdout"])
@@ -102,7 +108,7 @@ def test_final_evaluation_is_logged_at_the_last_step(watched):
     pretrain = [r for r in client.search_runs([client.get_experiment_by_name("bertpipe").experiment_id])
                 if r.data.tags.get("bertpipe.stage") == "pretrain"][0]
     history = client.get_metric_history(pretrain.info.run_id, "eval/mlm_accuracy")
-    assert max(m.step for m in history) == STEPS and min(m.step for m in history) > 0
+    assert max(m.step for m in history) == _steps() and min(m.step for m in history) > 0
     # Nothing of pre-training is a one-point line: a figure without a section is one value at step 0.
     for name in client.get_run(pretrain.info.run_id).data.metrics:
         if "/" not in name:
@@ -113,16 +119,18 @@ def test_final_evaluation_is_logged_at_the_last_step(watched):
 # under a FAILED workflow run, is tests/test_faults.py::test_error_inside_a_ray_data_task_shows_its_cause_only; a
 # GLUE task whose trials fail failing the stage, tests/test_task_failures.py.
 @pytest.mark.slow
-def test_failed_stage_is_marked_failed_with_error_and_traceback(watched):
+def test_failed_stage_is_marked_failed_with_error_and_traceback(watched, tmp_path):
     """Fine-tuning from a checkpoint whose weights are not a safetensors file: every trial fails. In a copy of the
     shared run's workdir: the failed stage clears its folder, which other modules' tests read."""
-    broken = watched["home"] / "broken-ckpt"
+    broken = tmp_path / "broken-ckpt"
     shutil.copytree(watched["workdir"] / "pretrain" / "export", broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    workdir = watched["home"] / "failing-work"
+    workdir = tmp_path / "failing-work"
     shutil.copytree(watched["workdir"], workdir)
-    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--workdir", str(workdir), "--only", "finetune",
-                           "--set", f"finetune.init={broken}", *USER_RUN_SETTINGS], cwd=watched["home"],
+    one_trial = ["finetune.tasks=[MRPC]", "finetune.learning_rates=[1e-4]", "finetune.num_epochs=1"]
+    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
+                           "--only", "finetune", "--set", f"finetune.init={broken}",
+                           *[a for s in one_trial for a in ("--set", s)]], cwd=watched["clone"],
                           env=user_env(watched["ray_tmp"]), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-3].startswith("bertpipe: stage finetune failed:")
