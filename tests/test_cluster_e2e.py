@@ -1,8 +1,9 @@
 """End to end on real components: infra/local/cluster.sh starts a Ray head (token auth) and an MLflow server;
 `bertpipe submit -- run` runs the whole tiny workflow as a Ray job; MLflow is read back over its REST API;
 a resubmission skips every stage; `--only pairs --force` reruns just pairs and leaves later stages stale;
-the dashboard refuses requests without the token; the CLI's answer to a refused token, and `submit` following a
-job; the cluster stops and nothing is left running.
+the cluster serves on loopback with its own token and prints what a client needs; the dashboard refuses requests
+without the token; the CLI's answer to a refused token, and `submit` following a job; the cluster stops, its
+ports are free and nothing is left running.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import os
 import re
 import shlex
 import shutil
+import socket
+import stat
 import subprocess
 import tempfile
 import sys
@@ -50,6 +53,8 @@ def cluster():
     })
     for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "MLFLOW_TRACKING_URI", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
+    user_token = Path.home() / ".ray" / "auth_token"
+    user_token_before = user_token.read_bytes() if user_token.exists() else None
     started = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stderr + started.stdout
     client_env = dict(env)
@@ -58,7 +63,8 @@ def cluster():
         if m:
             client_env[m.group(1)] = m.group(2)
     try:
-        yield {"env": client_env, "state": state, "token": token_file.read_text().strip(),
+        yield {"env": client_env, "state": state, "token": token_file.read_text().strip(), "script_env": env,
+               "printed": started.stdout, "token_file": token_file, "ports": (base, base + 8, base + 9),
                "dashboard": client_env["RAY_API_SERVER_ADDRESS"], "mlflow": client_env["MLFLOW_TRACKING_URI"]}
     finally:
         stopped = subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, text=True,
@@ -67,7 +73,29 @@ def cluster():
         time.sleep(1)
         left = subprocess.run(["pgrep", "-f", str(state)], capture_output=True, text=True).stdout.split()
         assert not left, f"processes left running after stop: {left}"
+        assert not any(_reachable("127.0.0.1", port) for port in (base, base + 8, base + 9))
+        status = subprocess.run(["bash", str(SCRIPT), "status"], env=env, capture_output=True, text=True, timeout=60)
+        assert status.returncode == 3, status.stdout + status.stderr  # 3: not running
         shutil.rmtree(state, ignore_errors=True)
+        # the cluster's own token file: the user's ~/.ray/auth_token is never written
+        assert (user_token.read_bytes() if user_token.exists() else None) == user_token_before
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _http_status(url: str, token: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 def bertpipe(*args: str, cwd: Path, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -104,6 +132,35 @@ def _children(cluster, parent_id: str) -> dict[str, dict]:
 def _latest_parent(cluster) -> dict:
     parents = [r for r in _runs(cluster) if _tags(r).get("bertpipe.kind") == "workflow"]
     return max(parents, key=lambda r: int(r["info"]["start_time"]))
+
+
+def test_the_cluster_serves_on_loopback_with_its_token_and_prints_what_a_client_needs(cluster):
+    """infra/local/cluster.sh start: a private random token; the dashboard answers it only (401 without, 403 for a
+    wrong one); MLflow serves; nothing listens beyond loopback; the printed export lines are all a client needs
+    (the Jobs API and `ray status` accept them, and refuse without RAY_AUTH_MODE); status and a second start report
+    the running cluster without starting another. (Stopping it: the fixture's end.)"""
+    assert re.fullmatch(r"[0-9a-f]{64}", cluster["token"])
+    assert stat.S_IMODE(cluster["token_file"].stat().st_mode) == 0o600
+    assert _http_status(cluster["dashboard"] + "/api/version", "0" * 64) == 403
+    assert _http_status(cluster["mlflow"] + "/health") == 200
+    host_ip = socket.gethostbyname(socket.gethostname())
+    if not host_ip.startswith("127."):
+        assert not any(_reachable(host_ip, port) for port in cluster["ports"][1:])
+    exports = dict(re.findall(r"^export (\w+)=(\S+)$", cluster["printed"], re.M))
+    client = {"PATH": cluster["script_env"]["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **exports}
+    list_jobs = [sys.executable, "-c", "from ray.job_submission import JobSubmissionClient as C; "
+                 "print('jobs', len(C().list_jobs()))"]
+    ok = subprocess.run(list_jobs, env=client, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.startswith("jobs "), ok.stderr
+    no_mode = {k: v for k, v in client.items() if k != "RAY_AUTH_MODE"}
+    refused = subprocess.run(list_jobs, env=no_mode, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower()
+    ray_status = subprocess.run(["ray", "status"], env=client, capture_output=True, text=True, timeout=120)
+    assert ray_status.returncode == 0 and "/4.0 CPU" in ray_status.stdout, ray_status.stdout + ray_status.stderr
+    script = cluster["script_env"]
+    assert subprocess.run(["bash", str(SCRIPT), "status"], env=script, capture_output=True, timeout=60).returncode == 0
+    again = subprocess.run(["bash", str(SCRIPT), "start"], env=script, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "already running" in again.stderr, again.stdout + again.stderr
 
 
 def test_dashboard_refuses_requests_without_the_token(cluster):

@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import os
 import re
 import shlex
-import shutil
 import socket
-import stat
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -477,94 +470,5 @@ def test_cluster_sh_env_usage_and_refusals(tmp_path):
     assert run_script(["status"], env).returncode == 3
 
 
-def http_get(url: str, token: str | None = None) -> tuple[int, str]:
-    request = urllib.request.Request(url)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=20) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-
-
-def reachable(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
-def own_processes(marker: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True)
-    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
-
-
-@pytest.mark.integration
-def test_local_cluster_starts_authenticates_and_stops_cleanly():
-    if shutil.which("curl") is None:
-        pytest.skip("cluster.sh needs curl")
-    user_token = Path.home() / ".ray" / "auth_token"
-    user_token_before = user_token.read_bytes() if user_token.exists() else None
-    # Short path on purpose: Ray's unix sockets live under the state dir (limit ~107 characters).
-    state = Path(tempfile.mkdtemp(prefix="bp-", dir="/tmp"))
-    base = free_port_block(10)
-    env = script_env(state, base, BERTPIPE_NUM_CPUS="3", BERTPIPE_START_TIMEOUT="240")
-    try:
-        t0 = time.monotonic()
-        started = run_script(["start"], env, timeout=600)
-        start_s = time.monotonic() - t0
-        assert started.returncode == 0, started.stdout + started.stderr
-        exports = dict(re.findall(r"^export (\w+)=(\S+)$", started.stdout, re.M))
-        token_file = state / "token"
-        token = token_file.read_text()
-        assert re.fullmatch(r"[0-9a-f]{64}", token) and stat.S_IMODE(token_file.stat().st_mode) == 0o600
-
-        dashboard = exports["RAY_API_SERVER_ADDRESS"]
-        status, body = http_get(f"{dashboard}/api/version", token)
-        import ray
-
-        assert status == 200 and json.loads(body)["ray_version"] == ray.__version__
-        assert http_get(f"{dashboard}/api/version")[0] == 401             # no token
-        assert http_get(f"{dashboard}/api/version", "0" * 64)[0] == 403   # wrong token
-
-        mlflow_uri = exports["MLFLOW_TRACKING_URI"]
-        assert http_get(f"{mlflow_uri}/health")[0] == 200
-        assert http_get(f"{mlflow_uri}/api/2.0/mlflow/experiments/search?max_results=5")[0] == 200
-
-        # Loopback only: the machine's own non-loopback address must not answer on these ports.
-        host_ip = socket.gethostbyname(socket.gethostname())
-        if not host_ip.startswith("127."):
-            assert not reachable(host_ip, base + 8) and not reachable(host_ip, base + 9)
-
-        # A client needs exactly the printed lines: the Jobs API and the GCS (`ray status`) both accept them,
-        # and the same client without RAY_AUTH_MODE is refused.
-        client_env = {"PATH": env["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **exports}
-        list_jobs = [sys.executable, "-c", "from ray.job_submission import JobSubmissionClient as C; "
-                     "print('jobs', len(C().list_jobs()))"]
-        ok = subprocess.run(list_jobs, env=client_env, capture_output=True, text=True, timeout=120)
-        assert ok.returncode == 0 and "jobs 0" in ok.stdout, ok.stderr
-        no_mode = {k: v for k, v in client_env.items() if k != "RAY_AUTH_MODE"}
-        refused = subprocess.run(list_jobs, env=no_mode, capture_output=True, text=True, timeout=120)
-        assert refused.returncode != 0 and "auth" in (refused.stdout + refused.stderr).lower()
-        ray_status = subprocess.run(["ray", "status"], env=client_env, capture_output=True, text=True, timeout=120)
-        assert ray_status.returncode == 0 and "/3.0 CPU" in ray_status.stdout, ray_status.stdout + ray_status.stderr
-
-        assert run_script(["status"], env).returncode == 0
-        again = run_script(["start"], env, timeout=120)  # idempotent: reports, starts nothing new
-        assert again.returncode == 0 and "already running" in again.stderr
-
-        t0 = time.monotonic()
-        stopped = run_script(["stop"], env, timeout=120)
-        stop_s = time.monotonic() - t0
-        assert stopped.returncode == 0, stopped.stderr
-        time.sleep(1)
-        assert own_processes(str(state)) == []
-        assert not any(reachable("127.0.0.1", port) for port in (base, base + 8, base + 9))
-        assert run_script(["status"], env).returncode == 3
-        print(f"\ncluster.sh start {start_s:.1f} s, stop {stop_s:.1f} s")
-    finally:
-        run_script(["stop"], env, timeout=120)
-        shutil.rmtree(state, ignore_errors=True)
-    assert (user_token.read_bytes() if user_token.exists() else None) == user_token_before
+# A real start and stop of infra/local/cluster.sh (token, loopback only, the printed client lines, idempotent start,
+# nothing left after stop) is tests/test_cluster_e2e.py's: its cluster serves the submitted workflow too.
