@@ -4,8 +4,9 @@ Step = forward + backward + fused AdamW under torch.autocast(bf16) with fp32 mas
 `max_pred` masked positions per sequence (ours gathers them; transformers gets -100 labels elsewhere and
 projects every token). MFU = useful model FLOPs / step time / measured bf16 matmul peak, where useful FLOPs
 are the same for both implementations:
-    6 · (non-embedding params) · tokens            (every matmul weight, forward + backward)
-  + 6 · V · H · masked tokens                      (the tied vocabulary projection, where it is needed)
+    6 · (encoder matmul weights) · tokens          (forward + backward)
+  + 6 · (H² + V · H) · masked tokens               (MLM transform and tied vocabulary projection, where needed)
+  + 6 · (H² + 2H) · sequences                      (pooler and NSP classifier, on [CLS])
   + 12 · L · B · T² · H                            (attention scores and weighted sum, forward + backward)
 Transformers does more FLOPs than this (vocabulary projection of every token); they are not counted as
 useful. The peak is measured here (a large bf16 matmul), not taken from a spec sheet.
@@ -26,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bertpipe.model import BertConfig, BertForPreTraining  # noqa: E402
+from bertpipe.model.flops import step_flops  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -47,13 +49,8 @@ def matmul_peak_tflops(device: str, n: int = 8192, iters: int = 20) -> float:
 
 
 def useful_flops(config: BertConfig, batch: int, seq: int, max_pred: int) -> float:
-    H, L = config.hidden_size, config.num_hidden_layers
-    per_layer = 4 * H * H + 4 * H + 2 * H * config.intermediate_size + config.intermediate_size + H + 4 * H
-    heads = (H * H + H) + (H * H + H + 2 * H) + (2 * H + 2)  # pooler, MLM transform, NSP
-    matmul_params = L * per_layer + heads
-    tokens = batch * seq
-    return (6 * matmul_params * tokens + 6 * config.vocab_size * H * batch * max_pred
-            + 12 * L * batch * seq * seq * H)
+    """The product's count (model/flops.py), the one the pre-training stage logs its utilisation with."""
+    return step_flops(config, batch, seq, max_pred)
 
 
 def make_batch(config: BertConfig, batch: int, seq: int, max_pred: int, device: str):

@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--zero", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128, help="sequence length (max predictions 20 per 128 tokens)")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "lamb"))
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     ap.add_argument("--no-compile", action="store_true", help="pretrain.compile=false for the stack")
     ap.add_argument("--skip-bare", action="store_true", help="time the stack only")
@@ -52,18 +54,20 @@ def main() -> None:
     vocab = h.SPECIALS + [f"w{i}" for i in range(30_522 - len(h.SPECIALS))]
     ray.init(num_cpus=max(4, (os.cpu_count() or 4)), num_gpus=1, include_dashboard=False, log_to_driver=True)
     batch = args.micro * args.accum
+    max_pred = max(20, args.seq * 20 // 128)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        inputs = h.make_inputs(root, lengths=(128,), rows_per_shard=(args.steps + 5) * batch // 4 + 1,
+        inputs = h.make_inputs(root, lengths=(args.seq,), rows_per_shard=(args.steps + 5) * batch // 4 + 1,
                                num_shards=4, heldout_rows=256, vocab_tokens=vocab)
         client = MlflowClient(f"sqlite:///{root}/mlflow.db")
         exp = client.create_experiment("gpu-bench", artifact_location=str(root / "artifacts"))
         run = client.create_run(exp)
         cfg = PretrainConfig(num_workers=1, use_gpu=True, cpus_per_worker=2, max_steps=args.steps,
-                             zero_stage=args.zero, log_every_steps=5, eval_every_steps=0, eval_max_batches=2,
+                             zero_stage=args.zero, optimizer=args.optimizer, log_every_steps=5, eval_every_steps=0,
+                             eval_max_batches=2,
                              checkpoint_every_steps=10**6, max_failures=0, prefetch_batches=8,
                              compile=False if args.no_compile else None,
-                             phases=(PhaseConfig(max_seq_length=128, max_predictions_per_seq=20,
+                             phases=(PhaseConfig(max_seq_length=args.seq, max_predictions_per_seq=max_pred,
                                                  global_batch_size=batch, micro_batch_size=args.micro,
                                                  learning_rate=1e-4, warmup_steps=10),))
         ctx = h.context(root, inputs, cfg, model=ModelConfig(preset=args.preset,
@@ -73,22 +77,24 @@ def main() -> None:
         # The workers log under MLflow's sections (train/throughput/..., train/loss) and skip the start-up window.
         hist = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, metric_name(k)),
                                             key=lambda m: m.step)]
-                for k in ("sequences_per_second", "data_wait_fraction", "loss")}
+                for k in ("sequences_per_second", "data_wait_fraction", "loss", "model_flops_utilization")}
     ray.shutdown()
     sps = sum(hist["sequences_per_second"]) / len(hist["sequences_per_second"])
     wait = sum(hist["data_wait_fraction"]) / len(hist["data_wait_fraction"])
-    print(f"\nBERT-{args.preset} seq 128, 1 GPU ({torch.cuda.get_device_name(0)}), bf16, ZeRO {args.zero}, "
+    mfu = sum(hist["model_flops_utilization"]) / max(len(hist["model_flops_utilization"]), 1)
+    print(f"\nBERT-{args.preset} seq {args.seq}, {args.optimizer}, 1 GPU ({torch.cuda.get_device_name(0)}), bf16, "
+          f"ZeRO {args.zero}, "
           f"micro {args.micro} × accum {args.accum}, compile {'off' if args.no_compile else 'on'}")
     print(f"| what | sequences/s |\n|---|---|\n| whole stack | {sps:,.1f} (data wait {100 * wait:.1f}%, "
-          f"last loss {hist['loss'][-1]:.3f}) |")
+          f"MFU {100 * mfu:.1f}% of the spec sheet's peak, last loss {hist['loss'][-1]:.3f}) |")
     if not args.skip_bare:
-        bare = bare_step(args.preset, args.micro)
+        bare = bare_step(args.preset, args.micro, args.seq, max_pred)
         print(f"| bare compiled model step, batch {args.micro} | {bare:,.1f} |")
         print(f"| stack / bare | {sps / bare:.2f} |")
 
 
-def bare_step(preset: str, batch: int, steps: int = 20) -> float:
-    """Sequences/s of the bare compiled model step at this batch (seq 128, 20 masked per sequence)."""
+def bare_step(preset: str, batch: int, seq: int = 128, max_pred: int = 20, steps: int = 20) -> float:
+    """Sequences/s of the bare compiled model step at this batch, length and masked positions per sequence."""
     import types
 
     import torch
@@ -98,7 +104,7 @@ def bare_step(preset: str, batch: int, steps: int = 20) -> float:
 
     config = g.BertConfig.preset(preset, vocab_size=30_522)
     args = types.SimpleNamespace(device="cuda", warmup=5, steps=steps)
-    result = g.time_impl("ours+compile", config, args, g.make_batch(config, batch, 128, 20, "cuda"))
+    result = g.time_impl("ours+compile", config, args, g.make_batch(config, batch, seq, max_pred, "cuda"))
     torch.cuda.empty_cache()
     return batch / result["step_s"]
 

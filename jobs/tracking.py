@@ -43,7 +43,7 @@ SYSTEM = "system/"                # CPU, memory, GPU: MLflow's own system-metric
 # Accuracies, fractions and scores are fractions in [0, 1] everywhere, never percent.
 OPTIMIZER_FIGURES = ("lr", "grad_norm")
 THROUGHPUT_FIGURES = ("sequences_per_second", "tokens_per_second", "examples_per_second", "data_wait_fraction",
-                      "padding_fraction")
+                      "padding_fraction", "model_tflops_per_second", "model_flops_utilization")
 # What the UI shows for the experiment (its description: the tag `mlflow.note.content`, Markdown).
 
 

@@ -32,11 +32,15 @@ def _fragment_segments(params: list[torch.Tensor]) -> tuple[tuple[int, int, int]
 def _check_coverage(params: list[torch.Tensor], layout: FlatLayout) -> None:
     """Every element of every parameter is held by exactly one rank: catches a changed DeepSpeed mapping before
     it skews a single ratio (one all-reduce per group, at start-up only)."""
+    # On the parameters' device: NCCL reduces only GPU tensors (gloo reduces CPU ones).
+    device = params[0].device if params else torch.device("cpu")
     held = torch.zeros(len(params), dtype=torch.float64)
     for j, start, end in layout.segments:
         held[j] += end - start
+    held = held.to(device)
     if layout.process_group is not None:
         dist.all_reduce(held, group=layout.process_group)
+    held = held.cpu()
     want = torch.tensor([p.numel() for p in params], dtype=torch.float64)
     if not torch.equal(held, want):
         bad = int((held != want).nonzero()[0])

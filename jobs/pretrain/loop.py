@@ -115,6 +115,24 @@ class Worker:
                                doing="", eta_s=left, eta_at=time.time())
 
 
+def flops_counter(model_cfg: ModelConfig, vocab_size: int, masked: int):
+    """Useful FLOPs of a micro-batch of shape (batch, seq) of this model (model/flops.py), for the meter."""
+    from bertpipe.model import BertConfig
+    from bertpipe.model.flops import step_flops
+
+    bert_cfg = BertConfig.preset(model_cfg.preset, vocab_size=vocab_size)
+    return lambda batch, seq: step_flops(bert_cfg, batch, seq, masked)
+
+
+def device_peak_tflops(device) -> float | None:
+    """The GPU's dense bf16 peak from its name (None on a CPU or an unknown card: no utilisation is logged)."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    from bertpipe.model.flops import peak_tflops
+
+    return peak_tflops(torch.cuda.get_device_name(device))
+
+
 def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
@@ -370,9 +388,14 @@ def log_window(w: Worker, meter: Meter, step: int, seq_length: int, last: dict |
     w.history.append({"step": step, **{k: metrics[k] for k in CURVE_KEYS}})
     metrics = {**{k: v for k, v in (last or {}).items() if k in THROUGHPUT}, **metrics}
     if w.rank == 0:
-        log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%", step,
+        utilisation = ""
+        if "model_tflops_per_second" in figures:
+            utilisation = f" {figures['model_tflops_per_second']:.1f} TFLOP/s per device"
+        if "model_flops_utilization" in figures:
+            utilisation += f" (MFU {100 * figures['model_flops_utilization']:.1f}%)"
+        log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%%s", step,
                  seq_length, metrics["loss"], metrics["mlm_accuracy"], metrics["nsp_accuracy"], metrics["lr"],
-                 figures["sequences_per_second"], 100 * figures["data_wait_fraction"])
+                 figures["sequences_per_second"], 100 * figures["data_wait_fraction"], utilisation)
     return metrics
 
 
@@ -480,6 +503,7 @@ def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: in
     w.excluded += took  # a one-off: the ETA's step time is the compiled model's
     if w.rank == 0:
         w.spec.progress.set(0, status=f"model compiled in {took:.0f} s")
+        log.info("model compiled in %.0f s (first step)", took)
     return out
 
 
@@ -499,7 +523,8 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     # DeepSpeed finds accumulation boundaries by micro_steps % accumulation steps; a phase (and a resume) always
     # starts on a boundary, so restart the count where the accumulation steps may change.
     w.engine.micro_steps = 0
-    meter = Meter(w.device)
+    meter = Meter(w.device, flops_counter(w.spec.model, len(w.spec.vocab_tokens), phase.max_predictions_per_seq),
+                  device_peak_tflops(w.device))
     while position.step < phase_end:
         position, last = run_epoch(w, meter, position, phase_end, last)
         if position.step < phase_end:

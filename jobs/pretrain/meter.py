@@ -8,14 +8,16 @@ cross the host boundary in `summary`, once per logging window, as one all-reduce
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 # What a logging window sums on each worker, by name. On the device: the model's figures and the real-token count.
 DEVICE_SUMS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct", "tokens")
-# On the host (plain Python numbers, known without the device): padded slots and seconds spent waiting for data.
-HOST_SUMS = ("sequences", "micro_batches", "slots", "data_wait")
+# On the host (plain Python numbers, known without the device): padded slots, seconds spent waiting for data and the
+# useful model FLOPs of the batches (from their shapes, model/flops.py).
+HOST_SUMS = ("sequences", "micro_batches", "slots", "data_wait", "flops")
 NO_STEP = -1.0  # "no bad step yet" in the health vector
 NONE_SEEN = 2.0**62  # the same, as all-reduced with MIN over ranks
 
@@ -33,8 +35,12 @@ def all_sum(values: list[float], device) -> list[float]:
 class Meter:
     """Running figures of one logging window on one worker."""
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, flops_of: Callable[[int, int], float] | None = None,
+                 peak_tflops: float | None = None):
+        """`flops_of(batch, seq)`: useful FLOPs of one micro-batch of that shape (None: no FLOP figures);
+        `peak_tflops`: one device's peak, for the utilisation (None: not known, no utilisation)."""
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.flops_of, self.peak_tflops = flops_of, peak_tflops
         self.reset()
         # The first window of a meter (one per phase and attempt) holds the phase's start: the data pipeline's
         # start-up, the first step (a compile), a resume's skipped batches. Its speed is no throughput figure.
@@ -67,6 +73,8 @@ class Meter:
         self.host["micro_batches"] += 1
         self.host["slots"] += attention_mask.numel()
         self.host["data_wait"] += wait
+        if self.flops_of is not None:
+            self.host["flops"] += self.flops_of(*attention_mask.shape)
 
     def end_step(self, step: int, grad_norm) -> None:
         """At an optimizer step: remember it if its summed loss or the global gradient norm is not finite. A norm
@@ -91,7 +99,7 @@ class Meter:
         check_finite(values[-2:])
         elapsed = max(time.perf_counter() - self.started - self.paused, 1e-9)
         micro = max(s["micro_batches"], 1.0)
-        return {
+        return {**self._flop_figures(s["flops"] / world / elapsed),
             "loss": s["loss"] / micro, "mlm_loss": s["mlm_loss"] / micro, "nsp_loss": s["nsp_loss"] / micro,
             "mlm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1),
             "nsp_accuracy": s["nsp_correct"] / max(s["sequences"], 1),
@@ -100,8 +108,20 @@ class Meter:
             "padding_fraction": 1.0 - s["tokens"] / max(s["slots"], 1.0),
         }
 
+    def _flop_figures(self, flops_per_second: float) -> dict[str, float]:
+        """Per device: useful model TFLOP/s, and its share of the device's peak (model FLOPs utilisation)."""
+        if self.flops_of is None:
+            return {}
+        tflops = flops_per_second / 1e12
+        figures = {"model_tflops_per_second": tflops}
+        if self.peak_tflops:
+            figures["model_flops_utilization"] = tflops / self.peak_tflops
+        return figures
 
-THROUGHPUT = ("sequences_per_second", "tokens_per_second", "data_wait_fraction")  # what a non-steady window lacks
+
+# What a non-steady window lacks.
+THROUGHPUT = ("sequences_per_second", "tokens_per_second", "data_wait_fraction", "model_tflops_per_second",
+              "model_flops_utilization")
 
 
 def check_finite(bad: list[float]) -> None:
