@@ -9,7 +9,9 @@ import re
 import select
 import shlex
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from bertpipe.jobs import causes, ending, interrupts
@@ -65,21 +67,86 @@ class _RunLogFile(logging.FileHandler):
 
 
 def _log_file(workdir: str) -> str:
-    """Every run also logs, with tracebacks, to <workdir>/logs/run-<time>.log (local workdirs)."""
+    """Every run also logs, with tracebacks, to a file of its own: <workdir>/logs/run-<time>.log for a local
+    workdir; for a remote one (s3://, gs://, any URI), on this machine in <temp dir>/bertpipe-logs/<workdir as a
+    name>/run-<time>.log (`tempfile.gettempdir()`: $TMPDIR, else /tmp), copied to <workdir>/logs/ when the run
+    ends (_copy_log). "" when a remote workdir's run cannot have that local file (the run goes on without it)."""
+    name = time.strftime("run-%Y%m%d-%H%M%S.log")
     if storage.is_remote(workdir):
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", redact.mask(workdir)).strip("-.")[:100] or "workdir"
+        path = os.path.join(tempfile.gettempdir(), "bertpipe-logs", slug, name)
+    else:
+        path = os.path.join(WorkdirPaths(workdir).logs, name)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        handler = _RunLogFile(path)
+    except OSError:
+        if not storage.is_remote(workdir):
+            raise
         return ""
-    path = os.path.join(WorkdirPaths(workdir).logs, time.strftime("run-%Y%m%d-%H%M%S.log"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    handler = _RunLogFile(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
     return path
 
 
-def _log_line(log_path: str) -> str:
+def _log_copy_uri(workdir: str, log_path: str) -> str:
+    """Where a remote workdir's run leaves a copy of its log file when it ends: <workdir>/logs/run-<time>.log
+    ("" for a local workdir, whose log file is there already)."""
+    if not log_path or not storage.is_remote(workdir):
+        return ""
+    return storage.join(WorkdirPaths(workdir).logs, os.path.basename(log_path))
+
+
+def _copy_log(log_path: str, copy_uri: str, workflow_run: dict[str, str]) -> str:
+    """At the end of a remote workdir's run: the log file as it is now, into the workdir (pipeline/storage.py) and,
+    when the run was tracked, into the MLflow workflow run's artifacts (logs/). Best effort: "" when the copy
+    reached the workdir, else why not (one line); either way the local file stays where it is."""
+    if not copy_uri:
+        return ""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, _RunLogFile) and handler.baseFilename == os.path.abspath(log_path):
+            handler.flush()
+    try:
+        with open(log_path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return _first_line(exc)
+    if workflow_run:
+        from bertpipe.jobs import tracking
+
+        tracking.attach_bytes(workflow_run, data, os.path.basename(log_path), "logs")
+    try:
+        storage.write_bytes(copy_uri, data)
+    except Exception as exc:  # noqa: BLE001 - any store error: the run's own outcome is what the console reports
+        logging.getLogger("bertpipe").info("could not copy the log file to %s", copy_uri, exc_info=exc)
+        return redact.mask(_first_line(exc))
+    return ""
+
+
+def _traceback_on_stderr(workdir: str) -> bool:
+    """Whether a failed run prints the failure's traceback on stderr too, before its closing lines: where the
+    workdir is remote, or where the process is a job submitted to a Ray cluster (`bertpipe submit`; Ray's job
+    supervisor gives its driver RAY_JOB_CONFIG_JSON_ENV_VAR). There the log file lies on a machine that may be gone
+    when someone looks (a cluster node, a pod's scratch disk), while stderr is the job's log: what `ray job logs`,
+    `bertpipe jobs logs` and the Ray dashboard show. A local run with a local workdir keeps the three lines: its
+    log file, with the traceback, is in the workdir."""
+    return storage.is_remote(workdir) or bool(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"))
+
+
+def _print_traceback(exc: BaseException) -> None:
+    """The failure's traceback on stderr (colour codes stripped, credentials masked), between two marker lines."""
+    text = "".join(traceback.format_exception(exc)).rstrip("\n")
+    print(f"bertpipe: the failure's traceback:\n{redact.mask(causes.strip_ansi(text))}\n"
+          "bertpipe: (end of the traceback)", file=sys.stderr, flush=True)
+
+
+def _log_line(log_path: str, copy_uri: str = "", copy_failed: str = "") -> str:
     failed = next((h.failed for h in logging.getLogger().handlers if isinstance(h, _RunLogFile) and h.failed), "")
     incomplete = f" (incomplete: {redact.mask(failed)})" if failed else ""
-    return f"full log, with the traceback: {log_path}{incomplete}"
+    copied = ""
+    if copy_uri:
+        copied = f" (not copied to {copy_uri}: {copy_failed})" if copy_failed else f" (copied to {copy_uri})"
+    return f"full log, with the traceback: {log_path}{incomplete}{redact.mask(copied)}"
 
 
 def _config_argv(args) -> list[str]:
@@ -120,13 +187,15 @@ def _resume_command(args, stage: str | None) -> str:
     return shlex.join(parts + (["--from", args.start] if args.start else []) + (["--force"] if args.force else []))
 
 
-def _closing_lines(args, log_path: str, first: str, stage: str | None, fix: bool = True) -> None:
-    """The three lines a run that failed or was stopped ends with: what happened, the log, how to resume."""
+def _closing_lines(args, log_path: str, first: str, stage: str | None, fix: bool = True, copy_uri: str = "",
+                   copy_failed: str = "") -> None:
+    """The three lines a run that failed or was stopped ends with: what happened, the log (and, for a remote
+    workdir, where its copy went), how to resume."""
     from bertpipe.jobs import console
 
     console.error(_with_config(first, args))
     if log_path:
-        console.error(_log_line(log_path))
+        console.error(_log_line(log_path, copy_uri, copy_failed))
     console.error(f"{'after fixing it, ' if fix else ''}resume with: {_resume_command(args, stage)}")
 
 
@@ -156,38 +225,52 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
         raise StageInputError(f"{unreachable}; start it, point mlflow.tracking_uri (or MLFLOW_TRACKING_URI) at one "
                               "that runs, or set mlflow.tracking_uri=off")
     log_path = _log_file(cfg.workdir)
+    copy_uri = _log_copy_uri(cfg.workdir, log_path)
     config_name = Path(args.config).stem
-    console.header(cfg, config_name, resolved_tracking_uri(cfg), selected, log_path)
+    console.header(cfg, config_name, resolved_tracking_uri(cfg), selected, log_path, copy_uri)
     progress.enable(True)
+    before = tracking.last_workflow_run()
+
+    def finish(first: str, stage: str | None, fix: bool = True, failure: BaseException | None = None) -> None:
+        """A failed or stopped run: the traceback on stderr where that is the job's log, the log file copied
+        beside the outputs (remote workdir), then the closing lines."""
+        if failure is not None and _traceback_on_stderr(cfg.workdir):
+            _print_traceback(failure)
+        run = tracking.last_workflow_run()
+        failed = _copy_log(log_path, copy_uri, run if run != before else {})
+        _closing_lines(args, log_path, first, stage, fix, copy_uri, failed)
+
     try:
         summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force, verbose=args.verbose,
                                config_name=config_name, plans=plans)
     except workflow.StageFailed as exc:
-        # INFO: into the log file with its traceback; the console gets the three lines below instead.
+        # INFO: into the log file with its traceback; the console gets the three lines below instead (and, where
+        # the workdir is remote or this is a submitted Ray job, the traceback first: _traceback_on_stderr).
         logging.getLogger("bertpipe").info("%s", causes.strip_ansi(str(exc)), exc_info=exc.cause)
         if isinstance(exc.cause, BrokenPipeError) and _stdout_closed():  # `bertpipe run | head`: not the stage's fault
-            _closing_lines(args, log_path, f"stage {exc.stage} stopped: standard output was closed", exc.stage,
-                           fix=False)
+            finish(f"stage {exc.stage} stopped: standard output was closed", exc.stage, fix=False)
             return _SIGPIPE_EXIT
-        _closing_lines(args, log_path, f"stage {exc.stage} failed: {causes.first_line(exc.cause)}", exc.stage)
+        finish(f"stage {exc.stage} failed: {causes.first_line(exc.cause)}", exc.stage, failure=exc.cause)
         return 2 if isinstance(exc.cause, (ConfigError, StageInputError)) else 1
     except KeyboardInterrupt as exc:  # SIGINT, SIGTERM, SIGHUP (jobs/interrupts.py): cleaned up on the way here
         stage = getattr(exc, "stage", None)
         logging.getLogger("bertpipe").info("run stopped: %s", interrupts.describe(exc), exc_info=exc)
-        _closing_lines(args, log_path, f"{f'stage {stage}' if stage else 'run'} {interrupts.describe(exc)}", stage,
-                       fix=False)
+        finish(f"{f'stage {stage}' if stage else 'run'} {interrupts.describe(exc)}", stage, fix=False)
         return interrupts.exit_code(exc)
     except (ConfigError, StageInputError):
         raise  # bad input found by the workflow itself: one line (main)
     except Exception as exc:  # noqa: BLE001 - outside any stage (the MLflow store on a full disk, say): same lines
         logging.getLogger("bertpipe").info("run failed outside its stages", exc_info=exc)
         if isinstance(exc, BrokenPipeError) and _stdout_closed():
-            _closing_lines(args, log_path, "run stopped: standard output was closed", None, fix=False)
+            finish("run stopped: standard output was closed", None, fix=False)
             return _SIGPIPE_EXIT
-        _closing_lines(args, log_path, f"run failed before or between its stages: {causes.first_line(exc)}", None)
+        finish(f"run failed before or between its stages: {causes.first_line(exc)}", None, failure=exc)
         return 1
     # The summary and GLUE tables, then where everything is and what to do next (jobs/next_steps.py).
     next_steps.show(cfg, args, selected, summary, config_name)
+    failed = _copy_log(log_path, copy_uri, summary.workflow_run)
+    if failed:
+        console.error(f"note: the run's log was not copied to {copy_uri} ({failed}); it is at {log_path}")
     return 0
 
 

@@ -88,7 +88,9 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True, ver
         # "large number of worker processes" that is simply what a training run is.
         os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(max(8, num_cpus)))
         ensure_private_token()
-        info = ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+        # address="local": a Ray of this run's own even where another one runs on the machine (a plain ray.init()
+        # would join that one and then refuse num_cpus); connecting to a cluster is what an address is for.
+        info = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
                         runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=verbose, logging_level=level)
     _started = "cluster" if address else "local"
     interrupts.reinstall()  # ray.init replaced the SIGTERM handler with one that aborts (exit 134)

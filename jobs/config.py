@@ -29,9 +29,14 @@ class RayConfig:
     num_cpus: int = 4
     # The local Ray's dashboard, on 127.0.0.1 (its URL is printed): jobs, Ray Data and Ray Train pages.
     dashboard: bool = True
+    # Seconds a stage that needs more CPUs/GPUs than the cluster has waits for nodes to join (an autoscaler adding
+    # them, KubeRay scaling a worker group up from zero; the infra/ files set it). 0 = refuse at once: a fixed
+    # cluster that lacks them never gets them.
+    wait_for_resources_s: float = 0.0
 
     def __post_init__(self) -> None:
         at_least("ray", self, 1, "num_cpus")
+        at_least("ray", self, 0, "wait_for_resources_s")
 
 
 @dataclass(frozen=True, kw_only=True)

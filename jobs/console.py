@@ -53,7 +53,7 @@ def where(path: str) -> str:
         return path
 
 
-def header(cfg, config_name: str, tracking_uri: str, selected: list[str], log_path: str) -> None:
+def header(cfg, config_name: str, tracking_uri: str, selected: list[str], log_path: str, log_copy: str = "") -> None:
     say(f"bertpipe run · config {config_name} · seed {cfg.seed}")
     say(f"  workdir   {cfg.workdir}")
     say(f"  stages    {' → '.join(selected)}")
@@ -66,8 +66,8 @@ def header(cfg, config_name: str, tracking_uri: str, selected: list[str], log_pa
             "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server to track this run")
     else:
         say("  mlflow    off")
-    if log_path:
-        say(f"  log       {log_path}")
+    if log_path:  # a remote workdir's run logs on this machine, and copies its log there when it ends
+        say(f"  log       {log_path}" + (f"   (copied to {log_copy} when the run ends)" if log_copy else ""))
 
 
 def ray_started(dashboard_url: str, address: str) -> None:

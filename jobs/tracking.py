@@ -342,9 +342,27 @@ def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config
     run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **mask_data(tags),
                                                                      "mlflow.note.content": _workflow_note(tags)})
     parent = RunLogger({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run.info.run_id})
+    _last_started.clear()
+    _last_started.update(parent.coordinates)
     parent.log_params(config)
     parent.log_dict(config, "resolved_config.json")
     return parent
+
+
+_last_started: dict[str, str] = {}  # the coordinates of the workflow run this process started last
+
+
+def last_workflow_run() -> dict[str, str]:
+    """The coordinates of the workflow run `start_workflow_run` created last in this process ({} if none): how the
+    CLI finds the MLflow run of a run that failed (compare with the value before the run: a new run id)."""
+    return dict(_last_started)
+
+
+def attach_bytes(coordinates: dict[str, str], blob: bytes, name: str, artifact_path: str) -> bool:
+    """`blob` as the artifact <artifact_path>/<name> of the run at `coordinates`, which may have ended (the CLI
+    attaches a remote workdir's log file when the run is over). Best effort: False when the store refused it."""
+    return _best_effort(RunLogger(coordinates).log_bytes, mask(strip_ansi(blob.decode("utf-8", "replace"))).encode(),
+                        name, artifact_path) is not None
 
 
 def _workflow_note(tags: dict[str, str]) -> str:

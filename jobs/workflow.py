@@ -275,7 +275,8 @@ def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: 
     tracking = {**run.coordinates, "registered_model": registered} if run.active else {}
     return StageContext(
         name=stage.name, output_uri=paths.stage(stage.name), config=stage_config(cfg, stage), seed=cfg.seed,
-        inputs=inputs, log_metrics=run.log_metrics, tracking=tracking, paths=paths)
+        inputs=inputs, log_metrics=run.log_metrics, tracking=tracking, paths=paths,
+        wait_for_resources_s=cfg.ray.wait_for_resources_s)
 
 
 def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:

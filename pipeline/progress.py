@@ -286,16 +286,23 @@ def shared_board():
 def _board():
     import ray
 
-    name = f"bertpipe-progress-{ray.get_runtime_context().get_job_id()}"
-    return ray.remote(num_cpus=0)(_Board).options(name=name, get_if_exists=True).remote()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    context = ray.get_runtime_context()
+    name = f"bertpipe-progress-{context.get_job_id()}"
+    # On the driver's node: a worker node that dies must not take the progress of the work it ran with it.
+    here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=True)
+    return ray.remote(num_cpus=0)(_Board).options(name=name, get_if_exists=True, scheduling_strategy=here).remote()
 
 
 @contextmanager
 def remote_progress(desc: str, total: float | None, unit: str,
                     describe: Callable[[dict[str, Any]], str] = lambda f: "",
-                    tail_s: float = 0.0) -> Iterator[Reporter]:
+                    tail_s: float = 0.0,
+                    watch: Callable[[float, dict[str, Any]], dict[str, Any]] | None = None) -> Iterator[Reporter]:
     """A Reporter for Ray tasks / Train workers, shown on the driver while the block runs (`tail_s`: see
-    Progress)."""
+    Progress). `watch(count, fields)`, called on every poll, returns fields to show over the workers' (a `status`
+    line of its own: jobs/pretrain/attempts.py tells a lost node this way)."""
     if not ENABLED["on"]:
         yield Reporter(None)
         return
@@ -309,6 +316,8 @@ def remote_progress(desc: str, total: float | None, unit: str,
         while not stop.wait(POLL_S):
             try:
                 count, fields = ray.get(board.read.remote(key), timeout=10)
+                if watch is not None:
+                    fields = {**fields, **watch(count, fields)}
             except Exception:  # noqa: BLE001 - a slow poll must never break the work it watches
                 continue
             shown.set(count, **fields)

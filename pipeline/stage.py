@@ -61,6 +61,9 @@ class StageContext:
     tracking: dict[str, str] = field(default_factory=dict)
     # The workdir layout; by default the folder holding output_uri (a stage called on its own, as tests do).
     paths: WorkdirPaths | None = None
+    # Seconds a stage short of CPUs/GPUs waits for nodes to join (ray.wait_for_resources_s; placement, not part of
+    # the stage's result or fingerprint). 0 = refuse at once.
+    wait_for_resources_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.paths is None:

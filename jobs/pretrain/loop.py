@@ -536,6 +536,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     spec: WorkerSpec = config["spec"]
     w = setup(spec)
     position = restore(w)
+    if w.rank == 0:  # the driver's attempt watch (attempts.py): which attempt this is and where it resumed
+        spec.progress.set(position.step, attempt_started=time.time(), resumed_from=position.step, eta_s=None)
     open_streams(w, position)
     resumed_from, last = position.step, {}
     try:

@@ -21,9 +21,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bertpipe.jobs.capacity import FIX, Need, ask_autoscaler, release_request, wait_for
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.interrupts import Interrupted
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, take_stop_reason
+from bertpipe.jobs.pretrain.attempts import AttemptWatch
+from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, latest_step, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
@@ -32,7 +34,7 @@ from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.paths import export_of
-from bertpipe.pipeline.progress import doing, remote_progress
+from bertpipe.pipeline.progress import ENABLED, doing, emit, remote_progress
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
@@ -49,17 +51,24 @@ TAIL_S = 2.5
 HEALTH_CHECK_S = "0.5"
 
 
+def console_line(text: str) -> None:
+    """A line for the user now (and the run's log): the console when the CLI shows progress."""
+    log.info("%s", text)
+    if ENABLED["on"]:
+        emit(f"  {text}")
+
+
+def resource_need(cfg: PretrainConfig) -> Need:
+    """Trainer workers that take every CPU leave none for Ray Data's read tasks and the run hangs: one CPU stays
+    free beside them."""
+    return Need("pretrain", cfg.num_workers, cfg.cpus_per_worker, 1.0 if cfg.use_gpu else 0.0)
+
+
 def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
-    """Trainer workers that take every CPU leave none for Ray Data's read tasks and the run hangs: refuse."""
-    need_cpu = cfg.num_workers * cfg.cpus_per_worker
-    have_cpu = float(cluster.get("CPU", 0))
-    if have_cpu - need_cpu < 1:
-        raise ValueError(f"pretrain needs num_workers × cpus_per_worker = {cfg.num_workers} × {cfg.cpus_per_worker}"
-                         f" = {need_cpu} CPUs plus at least 1 for data loading, but the Ray cluster has {have_cpu:g}"
-                         " CPUs; lower pretrain.num_workers / cpus_per_worker or add nodes")
-    if cfg.use_gpu and float(cluster.get("GPU", 0)) < cfg.num_workers:
-        raise ValueError(f"pretrain.use_gpu with {cfg.num_workers} workers needs {cfg.num_workers} GPUs, "
-                         f"the Ray cluster has {cluster.get('GPU', 0):g}")
+    """ValueError when a cluster of these totals cannot run the workers (the local Ray a run will start)."""
+    missing = resource_need(cfg).shortfall(cluster)
+    if missing:
+        raise ValueError(f"{missing}; {FIX}")
 
 
 def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
@@ -292,7 +301,11 @@ def run_stage(ctx: StageContext) -> StageResult:
 
     started = time.time()
     cfg: PretrainConfig = ctx.config["pretrain"]
-    check_resources(cfg, ray.cluster_resources())
+    need = resource_need(cfg)
+    waited = wait_for(need, ctx.wait_for_resources_s, ray.cluster_resources, console_line, ask=ask_autoscaler)
+    if waited:
+        log.info("pretrain: started after waiting %.0f s for the cluster to grow", waited)
+        release_request()
     if layout_warning(cfg):
         log.warning("%s", layout_warning(cfg))
     storage_path = cfg.storage_path or ctx.paths.ray_results
@@ -307,7 +320,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     resume = latest_checkpoint(storage_path, spec.run_name, cfg)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
-    with remote_progress("pretrain", cfg.max_steps, "steps", _describe, tail_s=TAIL_S) as progress, \
+    watch = AttemptWatch(cfg.max_failures, lambda: latest_step(storage_path, spec.run_name, cfg), run)
+    with remote_progress("pretrain", cfg.max_steps, "steps", _describe, tail_s=TAIL_S, watch=watch) as progress, \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baselines") as driver_side:
         progress.set(0, doing=f"starting {cfg.num_workers} Ray Train workers")
         early_baselines = driver_side.submit(final_baselines, ctx, cfg, spec.vocab_tokens)

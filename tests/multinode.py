@@ -1,0 +1,75 @@
+"""Multi-node Ray on one host for integration tests: `with MultiNodeRay(head_cpus=1, node_cpus=[1, 1]) as rig:` runs
+tests/ray_rig.py in a process of its own and gives its address, `rig.add_node(cpus)`, `rig.kill_train_node()`.
+Every Ray process of the rig is gone when the block ends (the rig's `quit`, then its process group is killed)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+class MultiNodeRay:
+    def __init__(self, head_cpus: float = 1, node_cpus: tuple[float, ...] = (), start_timeout_s: float = 120):
+        self.head_cpus, self.node_cpus, self.start_timeout_s = head_cpus, node_cpus, start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def __enter__(self) -> "MultiNodeRay":
+        cmd = [sys.executable, str(HERE / "ray_rig.py"), "--head-cpus", str(self.head_cpus)]
+        for cpus in self.node_cpus:
+            cmd += ["--node-cpus", str(cpus)]
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env, start_new_session=True)
+        started = self._answer(self.start_timeout_s)
+        self.address, self.nodes = started["address"], started["nodes"]
+        return self
+
+    def _answer(self, timeout_s: float) -> dict:
+        """The rig's next JSON line (its other output, Ray's, is not JSON)."""
+        result: list[dict] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    result.append(json.loads(line))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not result:
+            raise RuntimeError(f"the Ray rig did not answer in {timeout_s:.0f} s (exit code {self.proc.poll()})")
+        return result[0]
+
+    def command(self, line: str, timeout_s: float = 120) -> dict:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout_s)
+
+    def add_node(self, cpus: float) -> str:
+        return self.command(f"add {cpus}")["added"]
+
+    def kill_train_node(self) -> dict:
+        return self.command("kill-train-node")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        try:
+            if self.proc.poll() is None:
+                self.command("quit", timeout_s=60)
+                self.proc.wait(timeout=60)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of Ray's is still there
+            except ProcessLookupError:
+                pass

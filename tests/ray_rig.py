@@ -1,0 +1,77 @@
+"""A multi-node Ray cluster on one host, in a process of its own (tests/multinode.py drives it): Ray's
+`ray.cluster_utils.Cluster`, a head and worker nodes, each a real raylet with its own resources.
+
+    python tests/ray_rig.py --head-cpus 1 --node-cpus 2 --node-cpus 2
+
+prints one JSON line {"address": ..., "nodes": [node ids]} once every node is up, then takes commands on stdin,
+one per line, answering each with one JSON line:
+    add <cpus>          a worker node joins (as an autoscaler would add one)            -> {"added": node id}
+    kill-train-node     kill -9 of the raylet of a worker node that hosts a Ray Train worker
+                        (remove_node(..., allow_graceful=False))                         -> {"killed": node id}
+    nodes               the alive nodes                                                  -> {"alive": [...]}
+    quit                every node stops                                                 -> {"stopped": true}
+In its own process so that the tests' session Ray never sees it, and Ray's processes all end with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def say(obj: dict) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-cpus", type=float, default=1)
+    ap.add_argument("--node-cpus", type=float, action="append", default=[])
+    args = ap.parse_args()
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": args.head_cpus, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=c) for c in args.node_cpus]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    say({"address": cluster.address, "nodes": [n.node_id for n in nodes]})
+    try:
+        for line in sys.stdin:
+            cmd, *rest = line.split()
+            if cmd == "add":
+                node = cluster.add_node(num_cpus=float(rest[0]))
+                nodes.append(node)
+                cluster.wait_for_nodes()
+                say({"added": node.node_id})
+            elif cmd == "kill-train-node":
+                victim = _train_node(nodes)
+                cluster.remove_node(victim, allow_graceful=False)
+                nodes.remove(victim)
+                say({"killed": victim.node_id, "at": time.time()})
+            elif cmd == "nodes":
+                say({"alive": [n["NodeID"] for n in ray.nodes() if n["Alive"]]})
+            elif cmd == "quit":
+                break
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        say({"stopped": True})
+
+
+def _train_node(nodes: list):
+    """A worker node (not the head) that hosts a live Ray Train worker."""
+    from ray._private import state
+
+    hosting = {info["Address"]["NodeID"] for info in state.actors().values()
+               if info.get("ActorClassName", "").endswith("RayTrainWorker") and info.get("State") == "ALIVE"}
+    for node in nodes:
+        if node.node_id in hosting:
+            return node
+    raise RuntimeError(f"no worker node hosts a Ray Train worker (they are on {sorted(hosting)})")
+
+
+if __name__ == "__main__":
+    main()
