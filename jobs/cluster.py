@@ -41,6 +41,21 @@ def quiet_ray_loggers(verbose: bool) -> None:
             handler.setLevel(logging.INFO if verbose else logging.CRITICAL + 1)
 
 
+def ray_errors_to_log() -> None:
+    """The errors Ray pushes to every driver (a node's raylet that died, with the last 20 lines of its log) go to the
+    run's log file instead of the console, where the CLI says what happened in its own words (a lost node: the
+    pre-training attempt watch). Ray prints them from its error-listener thread through the module-level
+    `print_to_stdstream`, looked up at each call, whatever log_to_driver says; the log printer that --verbose turns
+    on holds the original function, so verbose runs still show them."""
+    import ray._private.worker as ray_worker
+
+    def to_log(data: dict, ignore_prefix: bool = False) -> None:
+        for line in data.get("lines", []):
+            log.info("ray (%s): %s", data.get("pid", "?"), line)
+
+    ray_worker.print_to_stdstream = to_log
+
+
 def ensure_private_token() -> Path | None:
     """The token a local Ray will use, readable by its owner only; returns its path (None: not ours to manage).
 
@@ -93,6 +108,8 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True, ver
         info = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
                         runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=verbose, logging_level=level)
     _started = "cluster" if address else "local"
+    if not verbose:
+        ray_errors_to_log()
     interrupts.reinstall()  # ray.init replaced the SIGTERM handler with one that aborts (exit 134)
     quiet_ray_loggers(verbose)
     data = ray.data.DataContext.get_current()

@@ -145,7 +145,8 @@ class Progress:
     Fields with a meaning of their own: `status` (printed at once when it changes: a one-off worth a line, such as
     "compiling the model"), `doing` (what the work is busy with now, shown in the next line: "evaluating"),
     `eta_s` + `eta_at` (the work's own estimate of the seconds left, made at wall time `eta_at`: used instead of
-    the count-based ETA). `tail_s`: seconds of driver work after the counted work ends, added to the ETA."""
+    the count-based ETA), `eta_unknown` (no ETA is shown while it is true). `tail_s`: seconds of driver work after
+    the counted work ends, added to the ETA."""
 
     def __init__(self, desc: str, total: float | None, unit: str,
                  describe: Callable[[dict[str, Any]], str] = lambda f: "", tail_s: float = 0.0):
@@ -182,7 +183,10 @@ class Progress:
         self.set(self.count + n, **fields)
 
     def eta(self) -> float | None:
-        """Seconds left: the work's own estimate when it reports one, else the count at the measured rate."""
+        """Seconds left: the work's own estimate when it reports one, else the count at the measured rate; none
+        while the work says it cannot know (`eta_unknown`: restarting after a failure, say)."""
+        if self.fields.get("eta_unknown"):
+            return None
         if self.fields.get("eta_s") is not None:
             left = float(self.fields["eta_s"]) - (time.time() - float(self.fields.get("eta_at", time.time())))
             return max(left, 0.0) + self.tail_s
@@ -290,9 +294,12 @@ def _board():
 
     context = ray.get_runtime_context()
     name = f"bertpipe-progress-{context.get_job_id()}"
-    # On the driver's node: a worker node that dies must not take the progress of the work it ran with it.
-    here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=True)
-    return ray.remote(num_cpus=0)(_Board).options(name=name, get_if_exists=True, scheduling_strategy=here).remote()
+    # On the head node: a worker node that dies (or an autoscaler removes) must not take the progress of the work
+    # with it. Not "the driver's node": several raylets on one host share its IP, and a driver may attach to any.
+    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n["Resources"]),
+                context.get_node_id())
+    where = NodeAffinitySchedulingStrategy(head, soft=True)
+    return ray.remote(num_cpus=0)(_Board).options(name=name, get_if_exists=True, scheduling_strategy=where).remote()
 
 
 @contextmanager
@@ -318,7 +325,8 @@ def remote_progress(desc: str, total: float | None, unit: str,
                 count, fields = ray.get(board.read.remote(key), timeout=10)
                 if watch is not None:
                     fields = {**fields, **watch(count, fields)}
-            except Exception:  # noqa: BLE001 - a slow poll must never break the work it watches
+            except Exception as exc:  # noqa: BLE001 - a slow poll must never break the work it watches
+                log.info("%s: progress poll failed: %s: %s", desc, type(exc).__name__, exc)
                 continue
             shown.set(count, **fields)
 

@@ -1,10 +1,13 @@
 """The driver's watch over pre-training attempts (jobs/pretrain/attempts.py), on fake nodes and a fake clock: a lost
-node is told at once in one line with the checkpoint training restarts from and the attempt, the new attempt adds
-no second line, a restart no node loss explains is told when the new attempt reports, and MLflow gets each restart.
-The real lost node is in tests/test_multinode.py."""
+node shows at once on the progress line (no stale ETA), and the restart is one line when the new attempt reports the
+checkpoint it resumed from; a restart no node loss explains is told too; MLflow gets each restart. The real lost
+node is in tests/test_multinode.py."""
 from __future__ import annotations
 
-from bertpipe.jobs.pretrain.attempts import AttemptWatch
+from bertpipe.jobs.pretrain.attempts import CAUSE_WAIT_S, AttemptWatch
+
+
+QUIET = {"eta_unknown": False}  # nothing to tell: the workers' own ETA stands
 
 
 class FakeRun:
@@ -18,49 +21,96 @@ class FakeRun:
         self.metrics.append((metrics, step))
 
 
-def make_watch(nodes: dict, checkpoint=60):
+def make_watch(nodes: dict, max_failures: int = 3):
     clock = {"now": 1000.0}
     run = FakeRun()
-    watch = AttemptWatch(3, lambda: checkpoint, run, nodes=lambda: dict(nodes), clock=lambda: clock["now"])
+    watch = AttemptWatch(max_failures, run, nodes=lambda: dict(nodes), clock=lambda: clock["now"])
     return watch, run, clock
 
 
-def test_a_lost_node_is_one_line_at_once_and_its_restart_no_second():
+def test_a_lost_node_shows_at_once_and_its_restart_is_one_line_with_the_checkpoint_resumed_from():
     nodes = {"a": "10.0.0.1, 1 CPUs", "b": "10.0.0.2, 2 CPUs", "c": "10.0.0.3, 2 CPUs"}
     watch, run, clock = make_watch(nodes)
-    assert watch(0, {"attempt_started": 1.0, "resumed_from": 0}) == {}
+    assert watch(0, {"attempt_started": 1.0, "resumed_from": 0}) == QUIET
     for step in range(1, 63):
         clock["now"] += 0.5
-        assert watch(step, {"attempt_started": 1.0, "eta_s": 30.0}) == {}
+        assert watch(step, {"attempt_started": 1.0, "eta_s": 30.0}) == QUIET
     del nodes["b"]
     clock["now"] += 1.0
-    shown = watch(62, {"attempt_started": 1.0, "eta_s": 2.0})
-    line = ("a worker node (10.0.0.2, 2 CPUs) was lost at step 62; restarting from the step-60 checkpoint, "
-            "attempt 2 of 4")
-    assert shown["status"] == line and shown["eta_s"] is None  # the old attempt's ETA is no estimate any more
-    assert run.tags["bertpipe.restart.2"].endswith(line)
-    assert run.metrics == [({"train/restarts": 1}, 62)]
+    lost = "a worker node (10.0.0.2, 2 CPUs) was lost at step 62"
+    assert watch(62, {"attempt_started": 1.0, "eta_s": 2.0}) == {"doing": f"{lost}: restarting the workers",
+                                                                 "eta_s": None, "eta_unknown": True}
     clock["now"] += 5.0
-    assert watch(62, {"attempt_started": 1.0}) == {}  # told once
-    assert watch(60, {"attempt_started": 2.0, "resumed_from": 60}) == {"doing": ""}  # the announced restart
+    assert watch(62, {"attempt_started": 1.0, "eta_s": 2.0})["eta_s"] is None  # still restarting: no stale ETA
+    shown = watch(40, {"attempt_started": 2.0, "resumed_from": 40, "eta_s": None})
+    line = f"{lost}; restarted from the step-40 checkpoint, attempt 2 of 4"
+    assert shown == {"status": line, "eta_s": None, "eta_unknown": False, "doing": ""}
+    assert run.tags["bertpipe.restart.2"].endswith(line)
+    assert run.metrics == [({"train/restarts": 1}, 40)]
+    clock["now"] += 5.0
+    assert watch(45, {"attempt_started": 2.0, "eta_s": 9.0}) == QUIET  # training again: told once
     assert watch.lines == [line]
 
 
-def test_a_restart_without_a_lost_node_is_told_when_the_new_attempt_reports():
+def test_a_restart_no_lost_node_explains_is_told_as_the_workers_failure_after_the_wait():
     watch, run, clock = make_watch({"a": "10.0.0.1, 4 CPUs"})
     watch(0, {"attempt_started": 1.0})
     for step in range(1, 32):
         clock["now"] += 2
         watch(step, {"attempt_started": 1.0})
-    shown = watch(20, {"attempt_started": 2.0, "resumed_from": 20})
+    assert watch(20, {"attempt_started": 2.0, "resumed_from": 20}) == {"doing": "", "eta_unknown": False}
+    clock["now"] += CAUSE_WAIT_S - 1
+    assert watch(21, {"attempt_started": 2.0}) == QUIET  # the cluster may still name a lost node
+    clock["now"] += 1
+    shown = watch(22, {"attempt_started": 2.0})
     assert shown["status"] == "the workers failed at step 31; restarted from the step-20 checkpoint, attempt 2 of 4"
-    watch(20, {"attempt_started": 3.0, "resumed_from": 0})
-    assert watch.lines[-1] == ("the workers failed at step 20; restarted from step 0 (no checkpoint yet), "
+    watch(22, {"attempt_started": 3.0, "resumed_from": 0})
+    clock["now"] += CAUSE_WAIT_S
+    watch(1, {"attempt_started": 3.0})
+    assert watch.lines[-1] == ("the workers failed at step 22; restarted from step 0 (no checkpoint yet), "
                                "attempt 3 of 4")
     assert sorted(run.tags) == ["bertpipe.restart.2", "bertpipe.restart.3"]
+    assert run.metrics == [({"train/restarts": 1}, 20), ({"train/restarts": 2}, 0)]
 
 
-def test_a_node_that_joins_later_is_watched_and_nodes_are_read_at_most_once_a_second():
+def test_a_restart_before_the_cluster_declares_its_node_lost_is_told_with_the_node():
+    """Ray Train restarts the workers in a second; the GCS declares the node dead ~15 s later."""
+    nodes = {"a": "10.0.0.1, 1 CPUs", "b": "10.0.0.2, 1 CPUs", "c": "10.0.0.3, 1 CPUs"}
+    watch, run, clock = make_watch(nodes)
+    watch(0, {"attempt_started": 1.0})
+    for step in range(1, 38):
+        clock["now"] += 0.1
+        watch(step, {"attempt_started": 1.0})
+    clock["now"] += 2
+    watch(20, {"attempt_started": 2.0, "resumed_from": 20})
+    for step in range(21, 30):  # the new attempt trains; the node is not declared dead yet
+        clock["now"] += 1
+        assert watch(step, {"attempt_started": 2.0}) == QUIET
+    del nodes["c"]
+    clock["now"] += 1
+    shown = watch(30, {"attempt_started": 2.0})
+    assert shown["status"] == ("a worker node (10.0.0.3, 1 CPUs) was lost at step 37; restarted from the step-20 "
+                               "checkpoint, attempt 2 of 4")
+    clock["now"] += CAUSE_WAIT_S
+    assert watch(31, {"attempt_started": 2.0}) == QUIET and len(watch.lines) == 1  # told once
+
+
+def test_a_lost_node_no_worker_was_on_is_told_once_training_goes_on():
+    nodes = {"a": "10.0.0.1, 1 CPUs", "d": "10.0.0.4, 4 CPUs"}
+    watch, run, clock = make_watch(nodes)
+    watch(0, {"attempt_started": 1.0})
+    watch(5, {"attempt_started": 1.0})
+    del nodes["d"]
+    clock["now"] += 1
+    assert watch(5, {"attempt_started": 1.0})["doing"].endswith("was lost at step 5: restarting the workers")
+    clock["now"] += 1
+    shown = watch(6, {"attempt_started": 1.0})
+    assert shown["status"] == ("a worker node (10.0.0.4, 4 CPUs) was lost at step 5; training goes on (no pre-training "
+                               "worker was on it)")
+    assert watch.attempt == 1 and run.metrics == []
+
+
+def test_a_node_lost_with_no_restart_left_is_told_at_once_and_nodes_are_read_at_most_once_a_second():
     nodes = {"a": "10.0.0.1, 1 CPUs"}
     reads = []
     clock = {"now": 0.0}
@@ -69,12 +119,12 @@ def test_a_node_that_joins_later_is_watched_and_nodes_are_read_at_most_once_a_se
         reads.append(clock["now"])
         return dict(nodes)
 
-    watch = AttemptWatch(0, lambda: None, FakeRun(), nodes=read, clock=lambda: clock["now"])
+    watch = AttemptWatch(0, FakeRun(), nodes=read, clock=lambda: clock["now"])
     for _ in range(10):
         clock["now"] += 0.25
         watch(1, {"attempt_started": 1.0})
     assert len(reads) == 1 + 3  # at start, then at most one read per second of polls
-    nodes["z"] = "10.0.0.9, 8 CPUs"
+    nodes["z"] = "10.0.0.9, 8 CPUs"  # joined later: watched from then on
     clock["now"] += 1
     watch(2, {"attempt_started": 1.0})
     del nodes["z"]
@@ -82,3 +132,17 @@ def test_a_node_that_joins_later_is_watched_and_nodes_are_read_at_most_once_a_se
     shown = watch(3, {"attempt_started": 1.0})
     assert shown["status"] == ("a worker node (10.0.0.9, 8 CPUs) was lost at step 3; no restart left "
                                "(pretrain.max_failures = 0)")
+
+
+def test_the_progress_line_shows_no_eta_while_the_work_cannot_know_one():
+    import time
+
+    from bertpipe.pipeline.progress import Progress
+
+    shown = Progress("pretrain", 300, "steps")
+    shown.set(37, eta_s=20.0, eta_at=time.time())
+    assert shown.eta() is not None and "ETA" in shown.line()
+    shown.set(37, eta_unknown=True, doing="a worker node (10.0.0.3, 1 CPUs) was lost at step 37: restarting")
+    assert shown.eta() is None and "ETA" not in shown.line() and "so far" in shown.line()
+    shown.set(40, eta_unknown=False)
+    assert shown.eta() is not None

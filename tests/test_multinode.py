@@ -38,11 +38,11 @@ def inputs(tmp_path_factory) -> Path:
     return root
 
 
-def pretrain_args(inputs: Path, *extra: str) -> list[str]:
+def pretrain_args(inputs: Path, *extra: str, mlflow: bool = False) -> list[str]:
     return [str(BIN / "bertpipe"), "run", "--workdir", "w", "--only", "pretrain", *QUIET,
             "--set", f"pretrain.input={inputs / 'pairs'}", "--set", f"vocab.path={inputs / 'vocab' / 'vocab.txt'}",
             "--set", f"pretrain.phases={PHASE}", "--set", "pretrain.eval_every_steps=0",
-            "--set", "mlflow.tracking_uri='off'", *extra]
+            *([] if mlflow else ["--set", "mlflow.tracking_uri='off'"]), *extra]
 
 
 class Watched:
@@ -118,3 +118,62 @@ def test_a_wait_that_runs_out_ends_in_the_three_lines(inputs, tmp_path):
     cause, _ = assert_closing_lines(run.stderr, "stage pretrain failed", "pretrain")
     assert "the Ray cluster has 1 CPUs after waiting 12 s" in cause, cause
     assert "pretrain: waiting for 3 CPUs" in run.stdout
+
+
+def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_nodes_left(inputs, tmp_path):
+    """Two 1-CPU workers on two of three 1-CPU worker nodes (the head's CPU is for data); the node of one of them is
+    killed (kill -9 of its raylet) once the first checkpoint is written. Ray Train restarts the workers on the nodes
+    left, from the last checkpoint."""
+    import mlflow
+
+    with MultiNodeRay(head_cpus=1, node_cpus=(1, 1, 1)) as rig:
+        run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}", "--set", "pretrain.max_steps=300",
+                                    "--set", "pretrain.checkpoint_every_steps=10", "--set", "pretrain.max_failures=3",
+                                    "--set", "pretrain.log_every_steps=2", mlflow=True), tmp_path)
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "w" / "ray_results").rglob("checkpoint_*/*")):
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.text()
+            time.sleep(0.2)
+        killed = rig.kill_train_node()
+        code = run.finish(300)
+    console = run.text()
+    assert code == 0, console
+    told = [line for line in console.splitlines() if "; restarted from" in line]
+    assert len(told) == 1, console
+    # meanwhile the progress line said so, without the old attempt's ETA
+    restarting = [line for line in console.splitlines() if "was lost at step" in line and "restarting the" in line]
+    assert all("ETA" not in line for line in restarting), restarting
+    m = re.search(r"pretrain: a worker node \(([\d.]+), 1 CPUs\) was lost at step (\d+); restarted from the "
+                  r"step-(\d+) checkpoint, attempt 2 of 4$", told[0])
+    assert m, told[0]
+    lost_at, resumed = int(m.group(2)), int(m.group(3))
+    assert resumed % 10 == 0 and 10 <= resumed <= lost_at
+    metrics = json.loads((tmp_path / "w" / "pretrain" / "metrics.json").read_text())
+    assert metrics["step"] == 300 and metrics["resumed_from_step"] == resumed  # what the workers really resumed
+    for noise in ("[state-dump]", "lagging heartbeats", "raylet", "Traceback", "RayTrainWorker"):
+        assert noise not in console, console
+    # MLflow: the stage's run records the restart (a tag with the line, the restarts series)
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    restarted = [r for r in runs if "bertpipe.restart.2" in r.data.tags]
+    assert len(restarted) == 1 and restarted[0].data.tags["bertpipe.restart.2"].endswith(told[0].split("pretrain: ")[1])
+    series = client.get_metric_history(restarted[0].info.run_id, "train/restarts")
+    assert [(p.value, p.step) for p in series] == [(1.0, resumed)]
+    # the figures of the closing note: from the kill to the first step after the resume, and the steps redone
+    log_file = next((tmp_path / "w" / "logs").glob("run-*.log")).read_text()
+    told_at = first = None
+    for line in log_file.splitlines():
+        stamp = re.match(r"(\S+ \S+),(\d+) ", line)
+        at = time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) + int(stamp.group(2)) / 1e3 if stamp \
+            else None
+        if "; restarted from" in line:
+            told_at = at
+        step = re.search(r"bertpipe.progress: pretrain: (\d+)/300", line)
+        if told_at and step and int(step.group(1)) > resumed:
+            first = (at, int(step.group(1)))
+            break
+    assert first, log_file
+    print(f"\nnode killed at step ~{lost_at}; resumed from {resumed} ({lost_at - resumed} steps redone); told "
+          f"{told_at - killed['at']:.1f} s after the kill; first progress past the checkpoint "
+          f"{first[0] - killed['at']:.1f} s after the kill (step {first[1]}); told: {told[0].strip()}")
+    print("\n".join(line for line in console.splitlines() if "pretrain:" in line))

@@ -5,12 +5,18 @@ Ray Train restarts the worker group from the last reported checkpoint when a wor
 `pretrain.max_failures` times), silently as far as the driver's `fit()` is concerned. The watch is called on every
 poll of the progress board (pipeline/progress.py `remote_progress(watch=...)`) with the workers' latest step and
 fields. It notices:
-- a node that was alive when training started and is gone now: "a worker node (10.0.0.7, 2 CPUs) was lost at step
-  62; restarting from the step-60 checkpoint, attempt 2 of 4", at once, and the stale ETA is dropped;
+- a node that was alive when training started and is gone now: at once, the progress line says so ("a worker node
+  (10.0.0.7, 2 CPUs) was lost at step 62: restarting the workers") and drops the old attempt's ETA;
 - a new attempt's rank 0 reporting where it resumed (`attempt_started`, `resumed_from`, sent by loop.py after
-  restoring): a restart no node loss explained gets its line then ("the workers failed at step 31; ...").
-Each restart is an MLflow tag `bertpipe.restart.<attempt>` (the line, with the time) and the series
-`train/restarts` (attempts so far, at the step where training stood).
+  restoring): the restart's one line, "a worker node (10.0.0.7, 2 CPUs) was lost at step 62; restarted from the
+  step-60 checkpoint, attempt 2 of 4" (or "the workers failed at step 31; ..." when no node loss explains it).
+  Only the new attempt knows the checkpoint: Ray Train resumes from the last one it registered, which can be older
+  than the newest folder in storage. Ray Train often restarts before the cluster declares the node dead (its own
+  health checks are faster): such a restart is told once the node is declared lost, or after CAUSE_WAIT_S as the
+  workers' own failure;
+- a lost node no worker was on: training goes on, and the line says so.
+Each restart is an MLflow tag `bertpipe.restart.<attempt>` (the line, with the time) and a point of the series
+`train/restarts` (restarts so far) at the step training resumed from.
 """
 from __future__ import annotations
 
@@ -34,69 +40,97 @@ def alive_nodes() -> dict[str, str]:
     return nodes
 
 
+# Seconds a restart waits for the cluster to name a lost node before it is told as the workers' own failure: Ray
+# Train notices a dead worker in a second, the GCS a dead node only after its missed health checks (~15 s).
+CAUSE_WAIT_S = 30.0
+
+
 class AttemptWatch:
-    def __init__(self, max_failures: int, checkpoint_step: Callable[[], int | None], run: Any,
-                 nodes: Callable[[], dict[str, str]] = alive_nodes, clock: Callable[[], float] = time.time,
-                 nodes_every_s: float = 1.0):
+    def __init__(self, max_failures: int, run: Any, nodes: Callable[[], dict[str, str]] = alive_nodes,
+                 clock: Callable[[], float] = time.time, nodes_every_s: float = 1.0):
         self.max_attempts = max_failures + 1
-        self.checkpoint_step, self.run, self.nodes, self.clock = checkpoint_step, run, nodes, clock
-        self.nodes_every_s = nodes_every_s
-        self.known = nodes()  # alive when training started: a node that joins later is not watched until it is
+        self.run, self.nodes, self.clock, self.nodes_every_s = run, nodes, clock, nodes_every_s
+        self.known = nodes()  # alive when training started: a node that joins later is watched once it is seen
         self.attempt = 1
         self.marker: Any = None  # the attempt_started of the attempt now running
         self.step = 0.0  # the highest step the running attempt reached
-        self.told_loss = False  # this restart was told at the loss: its attempt's start adds no second line
+        self.lost = ""  # "a worker node (...) was lost", seen before the restart it causes
+        self.lost_step = 0.0
+        self.restart: tuple[int, float, float] | None = None  # (resumed from, seen at, step reached) not told yet
         self.last_nodes_check = float("-inf")
         self.lines: list[str] = []
 
     def __call__(self, count: float, fields: dict[str, Any]) -> dict[str, Any]:
-        """Fields to show with the workers' (a `status` line to print, `eta_s` dropped), {} when nothing happened."""
+        """Fields to show over the workers' (a `status` line to print; `doing` and no ETA while the workers
+        restart), {} when nothing happened."""
+        now = self.clock()
         marker = fields.get("attempt_started")
         if marker is not None and marker != self.marker:
             first = self.marker is None
             self.marker = marker
             if not first:
-                return self._new_attempt(int(fields.get("resumed_from") or 0))
+                return self._new_attempt(int(fields.get("resumed_from") or 0), now)
         self.step = max(self.step, count)
-        now = self.clock()
+        lost = self._lost_nodes(now)
+        if lost and self.restart is not None:  # the restart came first; the cluster named its cause since
+            resumed, _, reached = self.restart
+            self.restart = None
+            return self._restarted(f"{lost} was lost at step {reached:.0f}", resumed)
+        if lost:
+            self.lost, self.lost_step = f"{lost} was lost at step {self.step:.0f}", self.step
+            if self.attempt >= self.max_attempts:
+                told = self._told(f"{self.lost}; no restart left (pretrain.max_failures = {self.max_attempts - 1})")
+                self.lost = ""
+                return told
+            log.info("pretrain: %s; Ray Train restarts the workers from the last checkpoint", self.lost)
+        if self.restart is not None and now - self.restart[1] >= CAUSE_WAIT_S:
+            resumed, _, reached = self.restart
+            self.restart = None
+            return self._restarted(f"the workers failed at step {reached:.0f}", resumed)
+        if self.lost and count > self.lost_step:  # steps go on: none of the workers was on it
+            told = self._told(f"{self.lost}; training goes on (no pre-training worker was on it)")
+            self.lost = ""
+            return {**told, "doing": ""}
+        if self.lost:  # the old attempt's ETA is no estimate now, nor is the count's rate
+            return {"doing": f"{self.lost}: restarting the workers", "eta_s": None, "eta_unknown": True}
+        return {"eta_unknown": False}
+
+    def _lost_nodes(self, now: float) -> str:
+        """The nodes gone since the last look ("a worker node (ip, N CPUs)"), "" when none (read once a second)."""
         if now - self.last_nodes_check < self.nodes_every_s:
-            return {}
+            return ""
         self.last_nodes_check = now
         alive = self.nodes()
         lost = [desc for node, desc in self.known.items() if node not in alive]
         self.known = {**{n: d for n, d in self.known.items() if n in alive}, **alive}
-        if not lost or self.told_loss:
-            return {}
-        self.attempt += 1
-        self.told_loss = True
-        what = "a worker node" if len(lost) == 1 else f"{len(lost)} worker nodes"
-        lost_line = f"{what} ({'; '.join(lost)}) was lost at step {self.step:.0f}"
-        if self.attempt > self.max_attempts:
-            return self._restart(f"{lost_line}; no restart left (pretrain.max_failures = {self.max_attempts - 1})",
-                                 counted=False)
-        resumed = self.checkpoint_step()
-        where = f"the step-{resumed} checkpoint" if resumed else "step 0 (no checkpoint yet)"
-        return self._restart(f"{lost_line}; restarting from {where}")
+        if not lost:
+            return ""
+        return f"{'a worker node' if len(lost) == 1 else f'{len(lost)} worker nodes'} ({'; '.join(lost)})"
 
-    def _new_attempt(self, resumed_from: int) -> dict[str, Any]:
-        if self.told_loss:  # the loss was told; the new attempt is the restart it announced
-            self.told_loss = False
-            self.step = resumed_from
-            return {"doing": ""}
+    def _new_attempt(self, resumed_from: int, now: float) -> dict[str, Any]:
         self.attempt += 1
-        line = (f"the workers failed at step {self.step:.0f}; restarted from "
-                + (f"the step-{resumed_from} checkpoint" if resumed_from else "step 0 (no checkpoint yet)"))
-        self.step = resumed_from
-        return {**self._restart(line), "doing": ""}
+        reached, self.step = self.step, float(resumed_from)
+        if self.lost:  # the loss was seen first: the restart's line now
+            lost, self.lost = self.lost, ""
+            return self._restarted(lost, resumed_from)
+        self.restart = (resumed_from, now, reached)  # told once the cause is known (or CAUSE_WAIT_S passed)
+        return {"doing": "", "eta_unknown": False}
 
-    def _restart(self, cause: str, counted: bool = True) -> dict[str, Any]:
-        line = f"{cause}, attempt {self.attempt} of {self.max_attempts}" if counted else cause
-        self.lines.append(line)
-        log.warning("pretrain: %s", line)
+    def _restarted(self, cause: str, resumed_from: int) -> dict[str, Any]:
+        where = f"the step-{resumed_from} checkpoint" if resumed_from else "step 0 (no checkpoint yet)"
+        line = f"{cause}; restarted from {where}, attempt {self.attempt} of {self.max_attempts}"
         try:
-            self.run.set_tag(f"bertpipe.restart.{self.attempt}",
-                             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.clock()))} {line}")
-            self.run.log_metrics({"train/restarts": self.attempt - 1}, int(self.step))
+            self.run.log_metrics({"train/restarts": self.attempt - 1}, resumed_from)
         except Exception as exc:  # noqa: BLE001 - MLflow unreachable must not stop the watch
             log.info("could not record the restart in MLflow: %s", exc)
-        return {"status": line, "eta_s": None, "doing": "restarting the workers"}
+        return {**self._told(line), "doing": ""}
+
+    def _told(self, line: str) -> dict[str, Any]:
+        self.lines.append(line)
+        log.info("pretrain: %s", line)  # the console gets it as the progress line's status
+        try:
+            self.run.set_tag(f"bertpipe.restart.{len(self.lines) + 1}",
+                             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.clock()))} {line}")
+        except Exception as exc:  # noqa: BLE001
+            log.info("could not record the restart in MLflow: %s", exc)
+        return {"status": line, "eta_s": None, "eta_unknown": False}

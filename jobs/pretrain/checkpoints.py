@@ -39,12 +39,6 @@ def _step_of(ckpt: str) -> int | None:
         return None
 
 
-def latest_step(storage_path: str, name: str, cfg: PretrainConfig) -> int | None:
-    """The step of the newest complete checkpoint under <storage_path>/<name>, None when there is none."""
-    found = latest_checkpoint(storage_path, name, cfg)
-    return _step_of(found) if found else None
-
-
 def latest_checkpoint(storage_path: str, name: str, cfg: PretrainConfig) -> str | None:
     """The complete checkpoint with the highest step under <storage_path>/<name>, or None.
 

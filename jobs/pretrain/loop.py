@@ -182,8 +182,8 @@ def setup(spec: WorkerSpec) -> Worker:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cpus_per_worker)
-    if rank == 0:
-        spec.progress.set(0, doing="setting up DeepSpeed")
+    if rank == 0:  # add(0): a restarted attempt's progress stays where training stood until it resumes
+        spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world)
     return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
                   RunLogger(spec.tracking, enabled=rank == 0))

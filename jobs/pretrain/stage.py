@@ -25,7 +25,7 @@ from bertpipe.jobs.capacity import FIX, Need, ask_autoscaler, release_request, w
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.interrupts import Interrupted
 from bertpipe.jobs.pretrain.attempts import AttemptWatch
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, latest_step, take_stop_reason
+from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
@@ -320,7 +320,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     resume = latest_checkpoint(storage_path, spec.run_name, cfg)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
-    watch = AttemptWatch(cfg.max_failures, lambda: latest_step(storage_path, spec.run_name, cfg), run)
+    watch = AttemptWatch(cfg.max_failures, run)
     with remote_progress("pretrain", cfg.max_steps, "steps", _describe, tail_s=TAIL_S, watch=watch) as progress, \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baselines") as driver_side:
         progress.set(0, doing=f"starting {cfg.num_workers} Ray Train workers")
