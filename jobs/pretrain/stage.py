@@ -64,6 +64,16 @@ def resource_need(cfg: PretrainConfig) -> Need:
     return Need("pretrain", cfg.num_workers, cfg.cpus_per_worker, 1.0 if cfg.use_gpu else 0.0)
 
 
+def wait_for_capacity(cfg: PretrainConfig, wait_s: float) -> None:
+    """Until the cluster can hold the workers and a data CPU: at once, after nodes joined, or ValueError."""
+    import ray
+
+    waited = wait_for(resource_need(cfg), wait_s, ray.cluster_resources, console_line, ask=ask_autoscaler)
+    if waited:
+        log.info("pretrain: started after waiting %.0f s for the cluster to grow", waited)
+        release_request()
+
+
 def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
     """ValueError when a cluster of these totals cannot run the workers (the local Ray a run will start)."""
     missing = resource_need(cfg).shortfall(cluster)
@@ -301,11 +311,7 @@ def run_stage(ctx: StageContext) -> StageResult:
 
     started = time.time()
     cfg: PretrainConfig = ctx.config["pretrain"]
-    need = resource_need(cfg)
-    waited = wait_for(need, ctx.wait_for_resources_s, ray.cluster_resources, console_line, ask=ask_autoscaler)
-    if waited:
-        log.info("pretrain: started after waiting %.0f s for the cluster to grow", waited)
-        release_request()
+    wait_for_capacity(cfg, ctx.wait_for_resources_s)
     if layout_warning(cfg):
         log.warning("%s", layout_warning(cfg))
     storage_path = cfg.storage_path or ctx.paths.ray_results

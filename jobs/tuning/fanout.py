@@ -81,6 +81,9 @@ def plan(stage: str, recipe, ctx: StageContext, parent: RunLogger, base: dict, g
     return trials
 
 
+TRIAL_RETRIES = 2  # times a trial whose node or worker process died runs again, elsewhere
+
+
 def _trial_body(model_files: dict[str, bytes], task: TrialTask, lr: float, seed: int, recipe,
                 coordinates: dict[str, str], save_uri: str, reporter) -> TrialResult:
     """What one Ray task runs: the model files as a local folder, the trial, its epochs logged to its run, its
@@ -107,8 +110,10 @@ def run_all(stage: str, trials: list[Trial], tasks: dict[str, TrialTask], model_
              len(todo), len(trials) - len(todo), recipe.cpus_per_trial, recipe.max_concurrent_trials or "all")
     if not todo:
         return
+    # max_retries counts system failures only (the trial's worker process or its node died: a node lost to the
+    # cluster, an autoscaler's scale-down); an exception in the trial is its own failure and is not retried.
     remote = ray.remote(_trial_body).options(num_cpus=recipe.cpus_per_trial, num_gpus=recipe.gpus_per_trial,
-                                             max_retries=0)
+                                             max_retries=TRIAL_RETRIES, retry_exceptions=False)
     model_ref, task_refs = ray.put(model_files), {g: ray.put(tasks[g]) for g in {t.group for t in todo}}
     limit = recipe.max_concurrent_trials or len(todo)
     running: dict[Any, Trial] = {}
