@@ -307,7 +307,6 @@ def write_learning(ctx: StageContext, base: dict, history: list[dict],
 def run_stage(ctx: StageContext) -> StageResult:
     import concurrent.futures
 
-
     started = time.time()
     cfg: PretrainConfig = ctx.config["pretrain"]
     wait_for_capacity(cfg, ctx.wait_for_resources_s)
