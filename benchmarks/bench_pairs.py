@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO / "tests"))
 from bertpipe.pipeline.instances import derive_seed  # noqa: E402
 from bertpipe.pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
 from bertpipe.pipeline.sentences import split_sentences  # noqa: E402
-from bertpipe.pipeline.vocab import MAX_CHARS_PER_WORD, load_vocab, make_tokenizer  # noqa: E402
+from bertpipe.pipeline.tokenizer import MAX_CHARS_PER_WORD  # noqa: E402
+from bertpipe.pipeline.vocab import load_vocab, make_tokenizer  # noqa: E402
 
 
 # ------------------------------------------------- (a) the original tokenizer: pure-Python basic + WordPiece

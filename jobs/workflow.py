@@ -11,6 +11,7 @@ every selected stage are checked, so bad input fails in seconds with one line an
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import subprocess
@@ -36,6 +37,22 @@ from bertpipe.pipeline.stage import (CONFIG_NAME, SCHEMA_VERSION, StageContext, 
 log = logging.getLogger("bertpipe")
 
 
+class StageReferenceError(RuntimeError):
+    """A stage's "module:function" reference names no module or no function: a bug in STAGES, never user input."""
+
+
+def _check_reference(stage: str, ref: str) -> None:
+    """At definition: the reference has the "module:function" shape and its module exists (found, not imported:
+    stage code is imported only when used; `_load` then checks the function)."""
+    module, _, func = ref.partition(":")
+    try:
+        found = importlib.util.find_spec(module) is not None if module and func.isidentifier() else False
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        raise StageReferenceError(f"stage {stage}: {ref!r} does not resolve to an existing module:function")
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -50,22 +67,39 @@ class Stage:
     # Runs only when named (`--only squad`, `--from squad`): a job the default workflow leaves out because it
     # needs data the user must point at (SQuAD and CoNLL files).
     opt_in: bool = False
+    # The names the stage writes in its folder (glob patterns, `*` crossing folders), announced in the run record
+    # before it writes: a run killed outright leaves files the next run knows as its own (pipeline/outputs.py).
+    # tests/test_crash_resume.py checks them against what real runs write.
+    writes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for ref in self.references:
+            _check_reference(self.name, ref)
+
+    @property
+    def references(self) -> tuple[str, ...]:
+        """Its "module:function" references: run, raw inputs, check (those set)."""
+        return tuple(r for r in (self.run, self.raw_inputs, self.check) if r)
 
 
 STAGES: tuple[Stage, ...] = (
     Stage("clean", ("clean",), (), "bertpipe.pipeline.clean:run_stage", "bertpipe.pipeline.clean:describe_raw_inputs",
-          check="bertpipe.pipeline.clean:preflight"),
+          check="bertpipe.pipeline.clean:preflight", writes=("docs-*.parquet",)),
     Stage("vocab", ("vocab",), ("clean",), "bertpipe.pipeline.vocab:run_stage",
           "bertpipe.pipeline.vocab:describe_raw_inputs", explicit=(("clean", "vocab.input"),),
-          check="bertpipe.pipeline.vocab:preflight"),
+          check="bertpipe.pipeline.vocab:preflight", writes=("vocab.txt", "tokenizer.json")),
     Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.pairs:run_stage",
-          explicit=(("clean", "pairs.input"), ("vocab", "vocab.path")), check="bertpipe.pipeline.vocab:preflight"),
+          explicit=(("clean", "pairs.input"), ("vocab", "vocab.path")), check="bertpipe.pipeline.vocab:preflight",
+          writes=("seq*/*.parquet", "_parts/seq*/*.arrow", "instances*")),
     Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
           explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")),
-          check="bertpipe.jobs.pretrain.stage:preflight", training=True),
+          check="bertpipe.jobs.pretrain.stage:preflight", training=True,
+          writes=("deepspeed_config.json", "metrics.json", "history.json", "baselines.json", "curve_*.png",
+                  "export/*")),
     Stage("finetune", ("finetune",), ("pretrain",), "bertpipe.jobs.glue.stage:run_stage",
           "bertpipe.jobs.glue.stage:describe_raw_inputs", explicit=(("pretrain", "finetune.init"),),
-          check="bertpipe.jobs.glue.stage:preflight", training=True),
+          check="bertpipe.jobs.glue.stage:preflight", training=True,
+          writes=("models/*", "smoke_glue/*", "submission/*", "submission.zip", "summary.*", "_trials/*")),
     Stage("squad", ("squad",), ("pretrain",), "bertpipe.jobs.squad.stage:run_stage",
           "bertpipe.jobs.squad.stage:describe_raw_inputs", explicit=(("pretrain", "squad.init"),),
           check="bertpipe.jobs.squad.stage:preflight", training=True, opt_in=True),
@@ -99,8 +133,20 @@ class StageFailed(RuntimeError):
 
 
 def _load(ref: str) -> Callable[..., Any]:
-    module, func = ref.split(":")
-    return getattr(importlib.import_module(module), func, None)
+    """The function a stage reference names; StageReferenceError when it does not resolve (a typo must not read
+    as "no raw inputs": their checksums would drop out of the fingerprint and stale outputs would look fresh)."""
+    module, _, func = ref.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise  # the module exists but something it imports is missing: that error, as it is
+        raise StageReferenceError(f"stage reference {ref!r}: no module {module}") from None
+    except AttributeError:
+        raise StageReferenceError(f"stage reference {ref!r}: {module} has no {func}") from None
+    if not callable(target):
+        raise StageReferenceError(f"stage reference {ref!r} is not a function")
+    return target
 
 
 def stage_uri(cfg: RootConfig, name: str) -> str:
@@ -153,8 +199,7 @@ def needed_inputs(cfg: RootConfig, stage: Stage) -> tuple[str, ...]:
 def raw_inputs_of(cfg: RootConfig, stage: Stage) -> list[dict[str, Any]]:
     if not stage.raw_inputs:
         return []
-    describe = _load(stage.raw_inputs)
-    return describe(getattr(cfg, stage.sections[0])) if describe else []
+    return _load(stage.raw_inputs)(getattr(cfg, stage.sections[0]))
 
 
 def fingerprint(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], raw: list[dict[str, Any]],
@@ -275,7 +320,8 @@ def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: 
     tracking = {**run.coordinates, "registered_model": registered} if run.active else {}
     return StageContext(
         name=stage.name, output_uri=paths.stage(stage.name), config=stage_config(cfg, stage), seed=cfg.seed,
-        inputs=inputs, log_metrics=run.log_metrics, tracking=tracking, paths=paths,
+        inputs=inputs, log_metrics=run.log_metrics, log_text=lambda text, name: run.log_bytes(text.encode(), name),
+        tracking=tracking, paths=paths,
         wait_for_resources_s=cfg.ray.wait_for_resources_s)
 
 
@@ -439,7 +485,7 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     # Uncommits the folder (its manifest goes first, so a crash never leaves a committed half-output) and deletes
     # only what earlier runs of this stage wrote; anything else there stops the run, nothing deleted.
     # Trials a failed run of the stage finished stay (pipeline/parts.py): the stage reuses those of the same config.
-    run_id = outputs.claim(uri, stage.name, keep_parts)
+    run_id = outputs.claim(uri, stage.name, keep_parts, stage.writes)
     kept = parts.count(uri)
     if kept:
         console.say(f"  {stage.name}: {kept} finished trial(s) kept by a failed run, reused where the config matches")

@@ -175,11 +175,13 @@ def load_hf_state_dict(model: nn.Module, hf: dict[str, Tensor], source: str) -> 
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, vocab_path: str | os.PathLike | None,
-                    label_names: Sequence[str] | None = None) -> None:
+                    label_names: Sequence[str] | None = None, tokenizer_files: dict[str, str] | None = None) -> None:
     """Write model.safetensors (HF names of the matching transformers class), config.json and, when
     `vocab_path` is given, a copy of it as vocab.txt (its line count must equal config.vocab_size).
     A classifier's config names its labels (`label_names`, one per output; LABEL_<i> without them).
-    Each file is written to a temporary name and renamed, so a crash leaves no half-written file."""
+    `tokenizer_files` ({name: text}, pipeline/tokenizer.py `tokenizer_files`: the casing and special tokens that
+    AutoTokenizer reads) are written as given. Each file is written to a temporary name and renamed, so a crash
+    leaves no half-written file."""
     model = _unwrap(model)
     config: BertConfig = model.config
     directory = Path(directory)
@@ -213,6 +215,8 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, vocab_path: 
     write("config.json", lambda p: p.write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n"))
     if vocab_path is not None and Path(vocab_path).resolve() != (directory / "vocab.txt").resolve():
         write("vocab.txt", lambda p: shutil.copyfile(vocab_path, p))
+    for name, text in (tokenizer_files or {}).items():
+        write(name, lambda p, text=text: p.write_text(text, encoding="utf-8"))
 
 
 def _read_weights(directory: Path) -> tuple[dict[str, Tensor], str]:

@@ -11,13 +11,19 @@ remove. An empty folder nobody claims is left where it is; folders emptied by th
 
 The record (`_RUN.json`) is written before the first deletion and lists what the run may delete, so a run that
 dies while cleaning up leaves the next one enough to finish; a run that fails rewrites it with every file it left.
-A driver killed outright (SIGKILL) cannot: the next run then names a file it left, and a person decides.
+It also says, before the run writes anything, what the run will write: the stage's output names (`writes`, glob
+patterns over paths relative to the folder, declared with the stage in jobs/workflow.py). A driver killed outright
+(SIGKILL, an evicted pod, a node lost) records nothing more, and its files are still its own: the record outlives
+the run (only a committed run removes it), and any file that matches its patterns appeared after the run had
+checked the folder held nothing foreign, so the next run of the stage deletes it and redoes the work. A file that
+matches none of them stops the run as before: a user's notes are never deleted.
 
 Trials that a failed run finished and committed under `_trials/` (pipeline/parts.py) are neither deleted nor
 foreign: the next run of the same config reuses them (`--force` drops them).
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -77,15 +83,31 @@ def _listed_paths(uri: str, name: str, *keys: str) -> set[str]:
     return out
 
 
+def _announced(uri: str) -> tuple[str, ...]:
+    """The output names the record of an unfinished run announced it would write (`writes`), () when none."""
+    try:
+        record = json.loads(storage.read_text(storage.join(uri, RUN_NAME)))
+    except (OSError, ValueError):
+        return ()
+    writes = record.get("writes") if isinstance(record, dict) else None
+    return tuple(w for w in writes or () if isinstance(w, str) and w)
+
+
 def _survey(uri: str) -> tuple[list[str], list[str]]:
     """(files a rerun may delete, files it must not touch) in the folder, each sorted. Trials a failed run kept
     (pipeline/parts.py) are in neither: the stage reuses or drops them itself."""
     kept = parts.kept_files(uri)
     owned = (_listed_paths(uri, MANIFEST_NAME, "files", "outputs") | _listed_paths(uri, RUN_NAME, "files")
              | set(BOOKKEEPING))
+    announced = _announced(uri)
     files = [p for p, _ in storage.list_all(uri)[0] if p not in kept]
-    ours = [p for p in files if p in owned or storage.is_temp(p)]
+    ours = [p for p in files if p in owned or storage.is_temp(p) or matches(p, announced)]
     return ours, [p for p in files if p not in ours]
+
+
+def matches(path: str, patterns: tuple[str, ...]) -> bool:
+    """`path` (relative, posix) is one of the names `patterns` declare (fnmatch: `*` crosses folders)."""
+    return any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
 
 
 def refuse_foreign(uri: str, stage: str) -> None:
@@ -98,9 +120,10 @@ def refuse_foreign(uri: str, stage: str) -> None:
             f"(its manifest does not list it): move it out of {uri}; nothing was deleted")
 
 
-def claim(uri: str, stage: str, keep_parts: bool = True) -> str:
+def claim(uri: str, stage: str, keep_parts: bool = True, writes: tuple[str, ...] = ()) -> str:
     """Make `uri` ready for a new run of `stage`: uncommit it and delete what earlier runs of the stage wrote, except
-    the trials a failed run kept (unless not `keep_parts`: `--force` recomputes everything).
+    the trials a failed run kept (unless not `keep_parts`: `--force` recomputes everything). `writes`: the names the
+    stage writes (glob patterns), recorded before anything is written so that a killed run's files stay its own.
     Returns the run's id (for `record_failure`). ForeignFilesError, before any deletion, if anything else is there."""
     refuse_foreign(uri, stage)
     if not keep_parts:
@@ -108,7 +131,8 @@ def claim(uri: str, stage: str, keep_parts: bool = True) -> str:
     ours = [p for p in _survey(uri)[0] if p != RUN_NAME]
     run_id = uuid.uuid4().hex[:12]
     record = {"run_id": run_id, "stage": stage, "started_at": time.time(), "host": socket.gethostname(),
-              "pid": os.getpid(), "files": [p for p in ours if p not in BOOKKEEPING]}
+              "pid": os.getpid(), "files": [p for p in ours if p not in BOOKKEEPING],
+              "writes": sorted(set(writes) | set(_announced(uri)))}
     storage.write_text_atomic(storage.join(uri, RUN_NAME), json.dumps(record, indent=2))
     # The manifest goes first: from here until the new one is written the folder reads as uncommitted.
     for rel in sorted(ours, key=lambda p: p != MANIFEST_NAME):

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from bertpipe.pipeline import shards, storage
 from bertpipe.pipeline.config import PairsConfig, VocabConfig
@@ -35,6 +36,7 @@ from bertpipe.pipeline.sentences import split_sentences
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 from bertpipe.pipeline.documents import document_files, read_documents
 from bertpipe.pipeline.progress import Reporter, remote_progress
+from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS
 from bertpipe.pipeline.vocab import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
 
 log = logging.getLogger(__name__)
@@ -46,11 +48,17 @@ log = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=4)
 def cached_tokenizers(vocab_uri: str, lowercase: bool):
-    """(full tokenizer, normalizer-free twin) per worker process; the vocabulary is read once per process."""
+    """(the project's tokenizer, its normalizer-free twin) per worker process; the vocabulary is read once."""
     full = make_tokenizer(vocab_uri, lowercase)
     fast = make_tokenizer(vocab_uri, lowercase)
     fast.normalizer = None
     return full, fast
+
+
+# The special tokens as the tokenizer matches them: in the raw text, exact case, before anything else
+# (pipeline/tokenizer.py). No other word the fast path makes contains "[", so a word equal to one is one.
+_SPECIAL = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
+_SPECIAL_SET = frozenset(SPECIAL_TOKENS)
 
 
 # BertPreTokenizer on printable ASCII: runs of letters/digits are words, every other non-space character is a word
@@ -62,6 +70,19 @@ _PLAIN_WORD = re.compile(r"[A-Za-z0-9]+|[^A-Za-z0-9 \n]|\n")
 # punctuation and spaces inside it); a run of ASCII letters/digits is one word; ASCII punctuation is one word.
 _RUN = re.compile(r"(?:[A-Za-z0-9]|[^\x00-\x7f])+|[!-/:-@\[-`{-~]")
 _DELETE_ASCII_CONTROLS = dict.fromkeys([*range(0, 9), 11, 12, *range(14, 32), 127])
+
+
+def _has_special(sentence: str) -> bool:
+    return "[" in sentence and _SPECIAL.search(sentence) is not None
+
+
+def _runs(sentence: str) -> list[str]:
+    """A sentence as `_RUN` pieces (ASCII control characters deleted), its literal special tokens split out first
+    and kept whole: the tokenizer matches them in the raw text."""
+    if not _has_special(sentence):
+        return _RUN.findall(sentence.translate(_DELETE_ASCII_CONTROLS))
+    return [p for i, part in enumerate(_SPECIAL.split(sentence))
+            for p in ([part] if i % 2 else _RUN.findall(part.translate(_DELETE_ASCII_CONTROLS)))]
 
 
 def _normalize_runs(runs: list[str], full) -> dict[str, list[str]]:
@@ -117,7 +138,8 @@ def encode_documents(texts: list[str], tokenizers_pair, lowercase: bool) -> tupl
       plus `str.lower` on printable ASCII, and BertPreTokenizer there is one regex (`_PLAIN_WORD`): those
       sentences (93% of English Wikipedia's) never enter the Rust pipeline whole;
     - in the other sentences only the distinct runs with non-ASCII characters go through the normalizer and the
-      pre-tokenizer (`_RUN`, `_normalize_runs`), all in one call;
+      pre-tokenizer (`_RUN`, `_normalize_runs`), all in one call; a literal special token ("[SEP]") is split out
+      first and stays one word, which the tokenizer maps to its id, as Hugging Face's does;
     - then `_encode_words`: each distinct word tokenized once.
     """
     full, fast = tokenizers_pair
@@ -126,10 +148,10 @@ def encode_documents(texts: list[str], tokenizers_pair, lowercase: bool) -> tupl
     items: list[str | list[str]] = []
     non_ascii: dict[str, None] = {}
     for s in itertools.chain.from_iterable(sentences):
-        if s.isascii() and s.isprintable():
+        if s.isascii() and s.isprintable() and not _has_special(s):
             items.append(s)
         else:
-            pieces = _RUN.findall(s.translate(_DELETE_ASCII_CONTROLS))
+            pieces = _runs(s)
             non_ascii.update((p, None) for p in pieces if not p.isascii())
             items.append(pieces)
     normalized = _normalize_runs(list(non_ascii), full) if non_ascii else {}
@@ -146,7 +168,9 @@ def encode_documents(texts: list[str], tokenizers_pair, lowercase: bool) -> tupl
             run.clear()
         if item is not None:
             for piece in item:
-                if piece.isascii():
+                if piece in _SPECIAL_SET:
+                    words.append(piece)
+                elif piece.isascii():
                     words.append(piece.lower() if lowercase else piece)
                 else:
                     words.extend(normalized[piece])
@@ -295,6 +319,43 @@ def concat_parts(parts: list[str], uri: str, schema_bytes: bytes) -> int:
     return table.num_rows
 
 
+# ------------------------------------------------------------------------------- what BERT will see, for a human
+
+SAMPLE_INSTANCES = 5  # instances the stage shows decoded (google-research/bert's create_pretraining_data logs 20)
+SAMPLE_FILE = "instances.txt"
+
+
+def describe_instances(table: pa.Table, tokens: list[str]) -> str:
+    """Instances decoded to text as create_pretraining_data.py logs them (tokens, segment_ids, is_random_next),
+    plus segments A and B with the WordPiece pieces joined back into words."""
+    blocks = []
+    for ids, b_start, label in zip(table.column("input_ids").to_pylist(), table.column("segment_b_start").to_pylist(),
+                                   table.column("next_sentence_label").to_pylist()):
+        pieces = [tokens[i] for i in ids]
+        blocks.append("\n".join([
+            "*** Example ***",
+            "tokens: " + " ".join(pieces),
+            "segment_ids: " + " ".join("0" if k < b_start else "1" for k in range(len(ids))),
+            f"is_random_next: {bool(label)}",
+            "A: " + " ".join(pieces[1:b_start - 1]).replace(" ##", ""),
+            "B: " + " ".join(pieces[b_start:-1]).replace(" ##", ""),
+        ]))
+    return "\n\n".join(blocks) + "\n"
+
+
+def show_instances(ctx: StageContext, shard_uri: str, tokens: list[str]) -> str:
+    """The first SAMPLE_INSTANCES rows of a training shard (the shards are shuffled: a random sample of what
+    pre-training reads), decoded: in the log, the stage's MLflow run and its folder (SAMPLE_FILE)."""
+    fs, path = storage.resolve(shard_uri)
+    with fs.open_input_file(path) as f:
+        head = pa.Table.from_batches([next(pq.ParquetFile(f).iter_batches(batch_size=SAMPLE_INSTANCES))])
+    text = f"{shard_uri}, its first {head.num_rows} instances:\n\n" + describe_instances(head, tokens)
+    log.info("pairs: what BERT will see: %s", text)
+    ctx.log_text(text, SAMPLE_FILE)
+    storage.write_text_atomic(storage.join(ctx.output_uri, SAMPLE_FILE), text)
+    return text
+
+
 # ------------------------------------------------------------------------------------------------ the stage
 
 
@@ -395,6 +456,8 @@ def run_stage(ctx: StageContext) -> StageResult:
         schema = shards.shard_schema(len(tokens_list), length, shards.shard_meta(max_seq_length=length, **meta_common))
         metrics.update(_second_pass(ctx, cfg, rows, length, seeds[length], schema, parts_uri))
     storage.delete_dir(parts_uri)
+    first_shard = storage.join(ctx.output_uri, shards.seq_dir(cfg.max_seq_lengths[0]), shards.train_shard_name(0))
+    show_instances(ctx, first_shard, tokens_list)
 
     seconds = time.time() - started
     first = cfg.max_seq_lengths[0]

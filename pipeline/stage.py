@@ -57,6 +57,8 @@ class StageContext:
     inputs: dict[str, StageInput]
     # Logs metrics into this stage's MLflow run: log_metrics({"k": v}, step=None). No-op without tracking.
     log_metrics: Callable[[dict[str, float], int | None], None] = lambda metrics, step=None: None
+    # Logs a text file into the stage's MLflow run as an artifact: log_text(text, file name). No-op without tracking.
+    log_text: Callable[[str, str], None] = lambda text, name: None
     # MLflow coordinates so remote workers (Ray Train rank 0) can log into the stage's run themselves.
     tracking: dict[str, str] = field(default_factory=dict)
     # The workdir layout; by default the folder holding output_uri (a stage called on its own, as tests do).

@@ -19,22 +19,20 @@ import unicodedata
 
 import numpy as np
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.config import VocabConfig
 from bertpipe.pipeline.documents import TextPiece, document_files, iter_piece_texts, sample_pieces, text_pieces
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS, bert_normalizer, bert_tokenizer
 
 log = logging.getLogger(__name__)
 
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 # Google's order: [PAD], 99 unused slots, then [UNK] [CLS] [SEP] [MASK] at 100..103.
 GOOGLE_SPECIAL_LAYOUT = ("[PAD]", *[f"[unused{i}]" for i in range(99)], "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 VOCAB_FILE = "vocab.txt"
 TOKENIZER_FILE = "tokenizer.json"
-# Google's WordpieceTokenizer maps longer words to [UNK] (Hugging Face's BertTokenizer uses 100).
-MAX_CHARS_PER_WORD = 200
 
 
 def vocab_file(uri: str) -> str:
@@ -89,33 +87,9 @@ def special_ids(tokens: list[str]) -> dict[str, int]:
     return {t: index[t] for t in SPECIAL_TOKENS}
 
 
-def _bert_normalizer(lowercase: bool) -> normalizers.Normalizer:
-    # strip_accents=None follows `lowercase`, like Google's BasicTokenizer (uncased strips accents, cased keeps them).
-    return normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
-                                      lowercase=lowercase)
-
-
-def _bert_pipeline(tokenizer: Tokenizer, lowercase: bool) -> Tokenizer:
-    tokenizer.normalizer = _bert_normalizer(lowercase)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")
-    return tokenizer
-
-
-def tokenizer_from_tokens(tokens: list[str], lowercase: bool) -> Tokenizer:
-    """A BERT WordPiece tokenizer over a token list (id = index); no post-processor, callers add [CLS]/[SEP].
-
-    Special tokens are not registered as added tokens: like Google's FullTokenizer, a literal "[SEP]" in the text
-    is tokenized as "[", "sep", "]" and never becomes a separator.
-    """
-    model = models.WordPiece(vocab={t: i for i, t in enumerate(tokens)}, unk_token="[UNK]",
-                             max_input_chars_per_word=MAX_CHARS_PER_WORD)
-    return _bert_pipeline(Tokenizer(model), lowercase)
-
-
 def make_tokenizer(vocab_path: str, lowercase: bool) -> Tokenizer:
-    """`tokenizer_from_tokens` over a (validated) vocab.txt."""
-    return tokenizer_from_tokens(load_vocab(vocab_path), lowercase)
+    """The project's BERT tokenizer (pipeline/tokenizer.py) over a (validated) vocab.txt, local or a URI."""
+    return bert_tokenizer(load_vocab(vocab_path), lowercase)
 
 
 # ------------------------------------------------------------------------------------- deterministic training
@@ -177,7 +151,7 @@ def training_alphabet(raw_counts: dict[int, int], lowercase: bool, limit: int) -
     BertNormalizer works character by character (control removal, CJK spacing, NFD + accent stripping, lowercase),
     so the normalized counts follow from normalizing each distinct raw character once.
     """
-    normalizer = _bert_normalizer(lowercase)
+    normalizer = bert_normalizer(lowercase)
     counts: dict[str, int] = {}
     for cp, n in raw_counts.items():
         for ch in normalizer.normalize_str(chr(cp)):
@@ -205,8 +179,10 @@ def train_vocab(pieces: list[TextPiece], cfg: VocabConfig) -> list[str]:
         count_raw_chars(texts, raw_counts)
     alphabet = training_alphabet(raw_counts, cfg.lowercase, cfg.limit_alphabet)
     pieces = continuation_pieces(alphabet)
-    model = models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=MAX_CHARS_PER_WORD)
-    tokenizer = _bert_pipeline(Tokenizer(model), cfg.lowercase)
+    # The trainer replaces the WordPiece model whole: only the normalizer and pre-tokenizer shape what it learns.
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = bert_normalizer(cfg.lowercase)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     trainer = trainers.WordPieceTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,
@@ -285,7 +261,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         raw_inputs = []
         # Rebuilt from the final vocabulary: the trained tokenizer carries the "##c" pieces as added tokens.
         storage.write_text_atomic(storage.join(ctx.output_uri, TOKENIZER_FILE),
-                                  tokenizer_from_tokens(tokens, cfg.lowercase).to_str())
+                                  bert_tokenizer(tokens, cfg.lowercase).to_str())
     storage.write_text_atomic(out_vocab, data.decode("utf-8"))
     # Validate what we wrote exactly as downstream stages will read it.
     load_vocab(out_vocab)

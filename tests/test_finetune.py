@@ -18,7 +18,7 @@ from bertpipe.jobs.glue.report import submission_rows
 from bertpipe.jobs.glue.stage import run_stage
 from bertpipe.jobs.glue.trial import GlueTask, collate, encode
 from bertpipe.jobs.tuning.fanout import trial_seed
-from bertpipe.jobs.tuning.inputs import load_tokenizer
+from bertpipe.pipeline.tokenizer import load_tokenizer
 from bertpipe.jobs.tuning.loop import make_optimizer, run_trial
 from bertpipe.jobs.glue.sample import sample_files, write_sample
 from bertpipe.jobs.glue.tasks import TASKS, read_task
@@ -110,6 +110,10 @@ def _ctx(out: Path, cfg: FinetuneConfig, tracking: dict) -> StageContext:
                         tracking=tracking)
 
 
+def table_rows(out: Path) -> list[dict]:
+    return list(csv.DictReader(io.StringIO((out / "summary.csv").read_text())))
+
+
 @pytest.mark.integration
 def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
     """A broken task fails the stage, named with its cause, while the other tasks' trials are kept; after the fix
@@ -146,15 +150,23 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
     assert {t: v["status"] for t, v in result.extra["tasks"].items()} == dict.fromkeys(cfg.tasks, "ok")
     assert result.num_rows == 8 and result.metrics["num_trials_kept"] == 6
     assert result.metrics["glue_score_complete"] == 0.0
-    assert len(result.raw_inputs) == 3 + 3 + 5 + 3  # SST-2, STS-B, MNLI, RTE files read
+    assert len(result.raw_inputs) == 3 + 3 + 5 + 1 + 3  # SST-2, STS-B, MNLI (+ the diagnostic set), RTE files read
     assert not (out / "_trials").exists()  # built into models/ and the reports: nothing left outside them
 
     with zipfile.ZipFile(out / "submission.zip") as z:
-        assert sorted(z.namelist()) == ["MNLI-m.tsv", "MNLI-mm.tsv", "RTE.tsv", "SST-2.tsv", "STS-B.tsv"]
+        assert sorted(z.namelist()) == ["AX.tsv", "MNLI-m.tsv", "MNLI-mm.tsv", "RTE.tsv", "SST-2.tsv", "STS-B.tsv"]
         mnli = z.read("MNLI-mm.tsv").decode().splitlines()
+        ax = z.read("AX.tsv").decode().splitlines()
     assert mnli[0] == "index\tprediction" and len(mnli) == 13
     assert all(row.split("\t")[1] in ("entailment", "neutral", "contradiction") for row in mnli[1:])
-    table = list(csv.DictReader(io.StringIO((out / "summary.csv").read_text())))
+    # AX, the diagnostic set, as gluebenchmark.com takes it: every row of diagnostic.tsv, by its index, labelled by
+    # the MNLI model the sweep kept (the best trial's predictions on it).
+    diagnostic = (glue / "diagnostic" / "diagnostic.tsv").read_text().splitlines()[1:]
+    assert ax[0] == "index\tprediction" and [r.split("\t")[0] for r in ax[1:]] == [d.split("\t")[0] for d in diagnostic]
+    assert all(row.split("\t")[1] in ("entailment", "neutral", "contradiction") for row in ax[1:])
+    best_mnli = next(o for o in table_rows(out) if o["task"] == "MNLI")
+    assert "AX" in best_mnli["test_sets"].split(","), best_mnli
+    table = table_rows(out)
     assert [r["task"] for r in table] == list(cfg.tasks) and {r["status"] for r in table} == {"ok"}
     assert all(r["trials_ok"] == "2" for r in table) and "PARTIAL" in (out / "summary.md").read_text()
 
@@ -344,3 +356,47 @@ def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sa
             FinetuneConfig(dropout=bad)
         with pytest.raises(ValueError, match="squad.dropout"):
             SquadConfig(dropout=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Predict-only (issue 36, item 3): a fine-tuned model folder scored on dev and run on the test sets, no training.
+
+def test_glue_predict_scores_and_predicts_a_fine_tuned_folder_without_training(tiny_model, sample_dir, tmp_path):
+    import subprocess
+    import sys
+
+    models = tmp_path / "models"
+    trials = {}
+    for task in ("SST-2", "MNLI"):
+        trials[task] = run_trial(tiny_model, GlueTask(read_task(str(sample_dir), TASKS[task])), 1e-2, 3,
+                                 FinetuneConfig(batch_size=16, num_epochs=1), save_dir=models / task)
+    before = {p: p.read_bytes() for p in models.rglob("*") if p.is_file()}
+    bertpipe = [str(Path(sys.executable).parent / "bertpipe"), "glue-predict"]
+    out = subprocess.run([*bertpipe, str(models), "--glue-data-dir", str(sample_dir), "--out", str(tmp_path / "p")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^SST-2\s+score\s+[\d.]+", out.stdout, re.M) and "submission.zip" in out.stdout, out.stdout
+    scores = json.loads((tmp_path / "p" / "dev_scores.json").read_text())
+    assert set(scores["tasks"]) == {"SST-2", "MNLI"} and not scores["glue_score_complete"]
+    with zipfile.ZipFile(tmp_path / "p" / "submission.zip") as z:
+        assert sorted(z.namelist()) == ["AX.tsv", "MNLI-m.tsv", "MNLI-mm.tsv", "SST-2.tsv"]
+        shipped = {n: z.read(n).decode() for n in z.namelist()}
+    for task, trial in trials.items():  # the very model the trial kept: its dev figures and test predictions
+        assert scores["tasks"][task]["dev"] == trial.outputs["dev_metrics"]
+        assert scores["tasks"][task]["score"] == pytest.approx(trial.score, abs=0)
+        for name, (index, preds) in trial.outputs["test_predictions"].items():
+            rows = [r.split("\t") for r in shipped[f"{name}.tsv"].splitlines()[1:]]
+            assert [r[0] for r in rows] == index
+            assert [r[1] for r in rows] == submission_rows(TASKS[task], preds)
+    assert {p: p.read_bytes() for p in models.rglob("*") if p.is_file()} == before  # nothing trained, nothing saved
+
+    # One model folder: its task from the folder's name; a folder without the task's head is refused in one line.
+    one = subprocess.run([*bertpipe, str(models / "SST-2"), "--glue-data-dir", str(sample_dir), "--out",
+                          str(tmp_path / "one")], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and (tmp_path / "one" / "submission" / "SST-2.tsv").is_file(), one.stderr
+    for model, task in ((tiny_model, "SST-2"), (models / "MNLI", "SST-2")):
+        bad = subprocess.run([*bertpipe, str(model), "--task", task, "--out", str(tmp_path / "bad")],
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1, bad.stderr
+        assert f"is not a fine-tuned {task} model" in bad.stderr
+    assert not (tmp_path / "bad").exists()

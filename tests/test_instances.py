@@ -139,3 +139,39 @@ def test_gather_int32_for_large_vocab(corpus):
     table, _ = pair_table(flat, bounds[:5], max_seq_length=33, short_seq_prob=0.1, dupe_factor=1, seed_parts=(1,),
                           cls_id=CLS, sep_id=SEP, id_type=pa.int32())
     assert table.schema.field("input_ids").type == pa.list_(pa.int32())
+
+
+def test_pairs_shows_its_first_instances_decoded(corpus, google_vocab, tmp_path, caplog):
+    """What BERT will see, for a human: the first rows of a real shard decoded as create_pretraining_data.py logs
+    them, in the log, the stage's MLflow run (ctx.log_text) and its folder."""
+    from bertpipe.pipeline import shards
+    from bertpipe.pipeline.pairs import SAMPLE_FILE, SAMPLE_INSTANCES, show_instances
+    from bertpipe.pipeline.stage import StageContext
+    from bertpipe.pipeline.vocab import load_vocab, special_ids
+
+    tokens = load_vocab(google_vocab)
+    table, _ = _pairs(corpus, seq=64)
+    meta = shards.shard_meta(vocab_hash="x", vocab_size=len(tokens), do_lower_case=True, max_seq_length=64,
+                             special_ids=special_ids(tokens))
+    shard = str(tmp_path / "pairs" / "seq64" / "train-00000.parquet")
+    shards.write_shard(shard, table.cast(shards.shard_schema(len(tokens), 64, meta)))
+    logged = []
+    ctx = StageContext(name="pairs", output_uri=str(tmp_path / "pairs"), config={}, seed=1, inputs={},
+                       log_text=lambda text, name: logged.append((name, text)))
+    with caplog.at_level("INFO", logger="bertpipe.pipeline.pairs"):
+        text = show_instances(ctx, shard, tokens)
+    assert logged == [(SAMPLE_FILE, text)] and (tmp_path / "pairs" / SAMPLE_FILE).read_text() == text
+    assert text in caplog.text
+    examples = text.split("*** Example ***\n")[1:]
+    assert len(examples) == SAMPLE_INSTANCES
+    rows = table.slice(0, SAMPLE_INSTANCES).to_pylist()
+    for example, row in zip(examples, rows):
+        lines = dict(line.split(": ", 1) for line in example.strip().split("\n"))
+        pieces = [tokens[i] for i in row["input_ids"]]
+        assert lines["tokens"].split(" ") == pieces and pieces[0] == "[CLS]" and pieces[-1] == "[SEP]"
+        segments = lines["segment_ids"].split(" ")
+        assert segments == ["0"] * row["segment_b_start"] + ["1"] * (len(pieces) - row["segment_b_start"])
+        assert lines["is_random_next"] == str(bool(row["next_sentence_label"]))
+        words = (lines["A"] + " " + lines["B"]).split()
+        assert "##" not in lines["A"] + lines["B"] and len(words) > 5
+        assert sum(w.isalpha() for w in words) > len(words) / 2  # English words, not ids

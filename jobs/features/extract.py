@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from bertpipe.jobs.tuning.inputs import load_tokenizer, write_model_files
+from bertpipe.jobs.tuning.inputs import write_model_files
 from bertpipe.jobs.tuning.loop import pad_rows
 from bertpipe.jobs.tuning.words import build_rows
+from bertpipe.pipeline.tokenizer import load_tokenizer
 
 MODES = ("last_four_concat", "last", "sum_last_four")
 

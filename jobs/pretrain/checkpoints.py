@@ -17,22 +17,37 @@ import pyarrow.fs as pafs
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
 from bertpipe.pipeline import storage
+from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, tokenizer_files
 
 CKPT_TAG = "ckpt"
 STATE_FILE = "position.json"
-EXPORT_FILES = ("config.json", "model.safetensors", "vocab.txt")  # what fine-tuning (and transformers) loads
+# What fine-tuning (and transformers' AutoModel / AutoTokenizer) loads.
+EXPORT_FILES = ("config.json", "model.safetensors", "vocab.txt", TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 
 
 def _complete(ckpt: str, cfg: PretrainConfig) -> bool:
-    """Every rank's DeepSpeed files are there (a crash mid-save leaves a partial folder)."""
+    """Every rank's DeepSpeed files are there and whole (a crash mid-save leaves a folder without some, or with one
+    cut short), and so is the position."""
     if cfg.zero_stage == 0:
         needed = ["mp_rank_00_model_states.pt"]
     else:
         needed = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(cfg.num_workers)]
-    return all(storage.exists(storage.join(ckpt, CKPT_TAG, n)) for n in needed)
+    return step_of(ckpt) is not None and all(_whole(storage.join(ckpt, CKPT_TAG, n)) for n in needed)
 
 
-def _step_of(ckpt: str) -> int | None:
+def _whole(uri: str) -> bool:
+    """torch.save writes a zip whose directory is at its end: a file cut short has none (one ranged read)."""
+    import zipfile
+
+    try:
+        fs, path = storage.resolve(uri)
+        with fs.open_input_file(path) as f:
+            return zipfile.is_zipfile(f)
+    except (OSError, ValueError):
+        return False
+
+
+def step_of(ckpt: str) -> int | None:
     try:
         return int(json.loads(storage.read_text(storage.join(ckpt, STATE_FILE)))["step"])
     except (OSError, ValueError, KeyError):
@@ -44,20 +59,34 @@ def latest_checkpoint(storage_path: str, name: str, cfg: PretrainConfig) -> str 
 
     Ray Train V2 restores a rerun with the same (storage_path, name) from its snapshot, but a run that died right
     after reporting may not have written the snapshot yet; scanning the folders makes the rerun resume then too."""
+    return survey(storage_path, name, cfg)[0]
+
+
+def survey(storage_path: str, name: str, cfg: PretrainConfig) -> tuple[str | None, list[str]]:
+    """(the newest complete checkpoint or None, the checkpoint folders newer than it that are not complete: what
+    a crash mid-save left). Newer means a later folder name: Ray Train names them by the time they were taken."""
     run_dir = storage.join(storage_path, name)
     if not storage.exists(run_dir):
-        return None
+        return None, []
     fs, path = storage.resolve(run_dir)
+    found = sorted(posixpath.basename(info.path) for info in fs.get_file_info(pafs.FileSelector(path))
+                   if info.type == pafs.FileType.Directory and posixpath.basename(info.path).startswith("checkpoint_"))
     best: tuple[int, str] | None = None
-    for info in fs.get_file_info(pafs.FileSelector(path)):
-        base = posixpath.basename(info.path)
-        if info.type != pafs.FileType.Directory or not base.startswith("checkpoint_"):
-            continue
+    for base in found:
         ckpt = storage.join(run_dir, base)
-        step = _step_of(ckpt) if _complete(ckpt, cfg) else None
+        step = step_of(ckpt) if _complete(ckpt, cfg) else None
         if step is not None and (best is None or step > best[0]):
             best = (step, ckpt)
-    return best[1] if best else None
+    torn = [storage.join(run_dir, b) for b in found
+            if best is None or b > posixpath.basename(best[1])]
+    return (best[1] if best else None), [t for t in torn if not _complete(t, cfg)]
+
+
+def newer(a: str | None, b: str | None) -> str | None:
+    """Of two checkpoint folders of one run, the later taken (Ray Train's folder names sort by time)."""
+    if a is None or b is None:
+        return a or b
+    return a if posixpath.basename(a.rstrip("/")) >= posixpath.basename(b.rstrip("/")) else b
 
 
 STOPPED_FILE = "stopped.json"  # why the workers stopped training on purpose (a non-finite loss), for the driver
@@ -96,9 +125,18 @@ def load(engine, checkpoint) -> dict:
             return json.load(f)
 
 
-def export(engine, vocab_bytes: bytes, export_uri: str, zero_stage: int, rank: int, run) -> None:
-    """HF-layout export (model.safetensors + config.json + vocab.txt) to `export_uri` from rank 0, also logged to
-    MLflow. Under ZeRO-3 every rank takes part in gathering the full parameters."""
+def data_lowercase(heldout: dict[int, str]) -> bool:
+    """The casing the model was trained with: do_lower_case of its shards (the held-out ones, {length: uri}, as
+    the pairs stage recorded it); True (uncased) without shards."""
+    from bertpipe.pipeline.shards import read_shard_meta
+
+    return bool(read_shard_meta(next(iter(heldout.values()))).get("do_lower_case", True)) if heldout else True
+
+
+def export(engine, vocab_bytes: bytes, export_uri: str, zero_stage: int, rank: int, run, lowercase: bool) -> None:
+    """HF-layout export (model.safetensors, config.json, vocab.txt and the tokenizer's files with its casing,
+    `lowercase`) to `export_uri` from rank 0, also logged to MLflow. Under ZeRO-3 every rank takes part in
+    gathering the full parameters."""
     import deepspeed
     import torch.distributed as dist
 
@@ -112,7 +150,8 @@ def export(engine, vocab_bytes: bytes, export_uri: str, zero_stage: int, rank: i
                 with open(vocab_path, "wb") as f:
                     f.write(vocab_bytes)
                 export_dir = os.path.join(d, "export")
-                save_pretrained(engine.module, export_dir, vocab_path)
+                save_pretrained(engine.module, export_dir, vocab_path, tokenizer_files=tokenizer_files(
+                    lowercase, engine.module.config.max_position_embeddings))
                 storage.upload_dir(export_dir, export_uri)
                 run.log_artifacts(export_dir, "export")
     if dist.is_initialized():

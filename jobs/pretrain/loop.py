@@ -201,17 +201,20 @@ def skip_inference_comm_op() -> None:
 
 
 def restore(w: Worker) -> Position:
-    """Ray Train's checkpoint (a retry, or a rerun it has a snapshot for) first; else the newest complete one in the
-    run folder (a rerun after a crash, or a retry that starts before the controller registered the last reported
+    """The later of Ray Train's checkpoint (a retry, or a rerun it has a snapshot for) and the newest complete one in
+    the run folder (a rerun after a crash, or a retry that starts before the controller registered the last reported
     checkpoint). Rank 0 decides, so every rank loads the same."""
     import ray.train
 
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        found = [checkpoints.latest_checkpoint(w.spec.storage_path, w.spec.run_name, w.spec.pretrain)
-                 if w.rank == 0 else None]
-        dist.broadcast_object_list(found, src=0)
-        checkpoint = ray.train.Checkpoint(found[0]) if found[0] else None
+    given = ray.train.get_checkpoint()
+    found = [checkpoints.latest_checkpoint(w.spec.storage_path, w.spec.run_name, w.spec.pretrain)
+             if w.rank == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    # The later of the two: a driver killed right after the workers saved leaves a complete checkpoint that Ray
+    # Train's snapshot never registered.
+    newest = checkpoints.newer(given.path if given is not None else None, found[0])
+    checkpoint = given if given is not None and newest == given.path else (
+        ray.train.Checkpoint(newest) if newest else None)
     if checkpoint is None:
         return Position()
     state = checkpoints.load(w.engine, checkpoint)
@@ -566,7 +569,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     final["history"] = [*w.history, {"step": position.step, **held_out}]
     w.doing("exporting the model")
     started = time.perf_counter()
-    checkpoints.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run)
+    checkpoints.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run,
+                       checkpoints.data_lowercase(spec.heldout))
     log.info("rank %d: export took %.1f s", w.rank, time.perf_counter() - started)
     w.doing("saving the last checkpoint")
     started = time.perf_counter()

@@ -25,7 +25,7 @@ from bertpipe.jobs.capacity import FIX, Need, ask_autoscaler, release_request, w
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.interrupts import Interrupted
 from bertpipe.jobs.pretrain.attempts import AttemptWatch
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, latest_checkpoint, take_stop_reason
+from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, step_of, survey, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
@@ -72,6 +72,17 @@ def wait_for_capacity(cfg: PretrainConfig, wait_s: float) -> None:
     if waited:
         log.info("pretrain: started after waiting %.0f s for the cluster to grow", waited)
         release_request()
+
+
+def resume_point(storage_path: str, run_name: str, cfg: PretrainConfig) -> str | None:
+    """The newest complete checkpoint of the run (the workers resume there), saying in one line when newer ones are
+    incomplete."""
+    resume, torn = survey(storage_path, run_name, cfg)
+    if torn:
+        console_line(f"pretrain: the newest checkpoint is incomplete (a crash while saving: a rank's file missing or "
+                     f"cut short: {torn[-1]}); resuming from "
+                     + (f"the step-{step_of(resume)} checkpoint" if resume else "step 0"))
+    return resume
 
 
 def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
@@ -321,7 +332,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     run = RunLogger(ctx.tracking)
     run.log_params(ctx.config, skip_logged=True)
     run.log_dict(ds_json, "deepspeed_config.json")
-    resume = latest_checkpoint(storage_path, spec.run_name, cfg)
+    resume = resume_point(storage_path, spec.run_name, cfg)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     watch = AttemptWatch(cfg.max_failures, run)

@@ -1,17 +1,20 @@
 """What a fine-tuning stage starts from, checked before anything runs and read once: the BERT folder (its
-files shipped to the trials through Ray's object store), its WordPiece tokenizer, and the task's data files."""
+files shipped to the trials through Ray's object store, its tokenizer read by pipeline/tokenizer.py
+`load_tokenizer`), and the task's data files."""
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.identity import describe_file
 from bertpipe.pipeline.stage import StageContext, StageInputError
+from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
 
 MODEL_FILES = ("config.json", "vocab.txt")
+# Shipped when the folder has them: the tokenizer's casing (pipeline/tokenizer.py `folder_lowercase`).
+OPTIONAL_FILES = (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 BERT_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
@@ -67,7 +70,8 @@ def check_checkpoint(uri: str, key: str) -> None:
 
 
 def read_model_files(uri: str) -> dict[str, bytes]:
-    """config.json, vocab.txt and the weights of a HF-layout folder, as bytes (shipped to trials by Ray)."""
+    """config.json, vocab.txt, the tokenizer's files where present and the weights of a HF-layout folder, as bytes
+    (shipped to trials by Ray)."""
     files = {}
     for name in MODEL_FILES:
         try:
@@ -75,6 +79,9 @@ def read_model_files(uri: str) -> dict[str, bytes]:
         except Exception as e:  # noqa: BLE001 - not-found types differ per store
             raise StageInputError(f"{storage.join(uri, name)}: cannot read the initial model "
                                   f"({type(e).__name__}: {e})") from None
+    for name in OPTIONAL_FILES:
+        if storage.is_file(storage.join(uri, name)):
+            files[name] = storage.read_bytes(storage.join(uri, name))
     for name in WEIGHT_FILES:
         if storage.is_file(storage.join(uri, name)):
             files[name] = storage.read_bytes(storage.join(uri, name))
@@ -93,21 +100,3 @@ def write_model_files(files: dict[str, bytes], directory: str) -> str:
 def describe(uris: list[str], what: str) -> list[dict[str, Any]]:
     """Size + checksum of each distinct file (they enter the stage's fingerprint and manifest)."""
     return [describe_file(u, what) for u in dict.fromkeys(u for u in uris if u) if storage.is_file(u)]
-
-
-def load_tokenizer(model_dir: str | Path, truncate_at: int | None = None):
-    """The fast WordPiece tokenizer of a model folder (vocab.txt; lowercasing from config.json, default True),
-    without padding; truncated longest-first at `truncate_at` pieces, or not at all (tasks that cut windows
-    themselves need every offset)."""
-    from tokenizers import BertWordPieceTokenizer
-
-    model_dir = Path(model_dir)
-    config = model_dir / "config.json"
-    lowercase = bool(json.loads(config.read_text()).get("do_lower_case", True)) if config.is_file() else True
-    tok = BertWordPieceTokenizer(str(model_dir / "vocab.txt"), lowercase=lowercase)
-    if truncate_at:
-        tok.enable_truncation(max_length=truncate_at, strategy="longest_first")
-    else:
-        tok.no_truncation()
-    tok.no_padding()
-    return tok

@@ -24,8 +24,8 @@ from typing import Any, Callable, Protocol, Sized
 import numpy as np
 import torch
 
-from bertpipe.jobs.tuning.inputs import load_tokenizer
 from bertpipe.model.training import dropout_overrides, param_groups, round_up, warmup_decay
+from bertpipe.pipeline.tokenizer import folder_lowercase, load_tokenizer, tokenizer_files
 
 REPORT_S = 2.0  # at most one progress report (and one host read of the loss) per trial in this many seconds
 
@@ -212,6 +212,8 @@ def run_trial(model_dir: str | Path, task: TrialTask, learning_rate: float, seed
     if save_dir is not None:
         from bertpipe.model import save_pretrained
 
-        save_pretrained(model, save_dir, Path(model_dir) / "vocab.txt", label_names=task.label_names)
+        save_pretrained(model, save_dir, Path(model_dir) / "vocab.txt", label_names=task.label_names,
+                        tokenizer_files=tokenizer_files(folder_lowercase(model_dir),
+                                                        model.config.max_position_embeddings))
     return TrialResult(learning_rate, seed, found.score, found.metrics, epoch, history, outputs, len(rows), total,
                        train_s, eval_s, len(rows) * recipe.num_epochs / train_s if train_s > 0 else 0.0)
