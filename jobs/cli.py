@@ -284,13 +284,25 @@ def cmd_status(args) -> int:
             row["problem"] = _with_config(row["problem"], args)
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return _status_exit(rows, args)
     print(f"{'stage':<9} {'state':<8} {'rows':>10} {'seconds':>9}  output")
     for r in rows:
         secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-"
         print(f"{r['stage']:<9} {r['state']:<8} {str(r['rows'] if r['rows'] is not None else '-'):>10} "
               f"{secs:>9}  {r['output']}" + (f"  ({r['problem']})" if r.get("problem") else ""))
-    return 0
+    return _status_exit(rows, args)
+
+
+STATUS_CHECK_HELP = ("exit 1 when a stage is broken, else 3 when one is missing (never run, or its output is gone), "
+                     "else 0 (every stage fresh or stale); without --check, status exits 0 whenever it could report")
+
+
+def _status_exit(rows: list[dict], args) -> int:
+    """`status --check`: the workdir's state as the exit status (STATUS_CHECK_HELP), for scripts to branch on."""
+    if not args.check:
+        return 0
+    states = {r["state"] for r in rows}
+    return 1 if "broken" in states else 3 if "missing" in states else 0
 
 
 def cmd_config(args) -> int:
@@ -338,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--verify", action="store_true",
                    help="also compare every committed file's sha256 with its manifest (reads every output)")
+    p.add_argument("--check", action="store_true", help=STATUS_CHECK_HELP)
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("config", help="print the resolved config (YAML, paths absolute) that `run` would use")
@@ -348,9 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dest", default="data/sample")
     p.set_defaults(func=cmd_fetch_sample)
 
+    from bertpipe.jobs.glue import predict as glue_predict
+
+    glue_predict.add_parser(sub)
+
     try:
         from bertpipe.jobs import submit
-        submit.add_parsers(sub)
+        submit.add_parsers(sub, build_parser)
     except ImportError:
         pass
     return parser

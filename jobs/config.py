@@ -14,7 +14,7 @@ from bertpipe.jobs.glue.config import FinetuneConfig
 from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.ner.config import NerConfig
 from bertpipe.jobs.squad.config import SquadConfig
-from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig
+from bertpipe.jobs.pretrain.config import FROM_INIT, ModelConfig, PretrainConfig
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, at_least, path_field, within
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -71,6 +71,8 @@ class RootConfig:
             raise ValueError("workdir must name a folder or URI")
         # numpy's generators (fine-tuning, masking) take seeds in [0, 2**32); one range for every consumer.
         within("", self, "seed", 0, 2**32, high_open=True)
+        if self.model.preset == FROM_INIT and not self.pretrain.init:
+            raise ValueError(f"model.preset {FROM_INIT} takes the shape of pretrain.init, which is not set")
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -110,7 +112,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         raise
     except ValueError as exc:  # a __post_init__ check: the same one-line user error
         raise ConfigError(str(exc)) from None
-    return resolve_paths(cfg, base or os.getcwd())
+    cfg = resolve_paths(cfg, base or os.getcwd())
+    if cfg.pretrain.init:
+        from bertpipe.jobs.pretrain.init import apply
+
+        try:  # the init's vocabulary, casing and shape (checked: its folder exists and holds a BERT)
+            cfg = apply(cfg, data)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return cfg
 
 
 def resolved_tracking_uri(cfg: RootConfig) -> str:

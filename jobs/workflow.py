@@ -91,7 +91,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.pairs:run_stage",
           explicit=(("clean", "pairs.input"), ("vocab", "vocab.path")), check="bertpipe.pipeline.vocab:preflight",
           writes=("seq*/*.parquet", "_parts/seq*/*.arrow", "instances*")),
-    Stage("pretrain", ("model", "pretrain"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
+    # pretrain first: its raw inputs (pretrain.init's files) are described from the first section.
+    Stage("pretrain", ("pretrain", "model"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
+          "bertpipe.jobs.pretrain.init:describe_raw_inputs",
           explicit=(("pairs", "pretrain.input"), ("vocab", "vocab.path")),
           check="bertpipe.jobs.pretrain.stage:preflight", training=True,
           writes=("deepspeed_config.json", "metrics.json", "history.json", "baselines.json", "curve_*.png",

@@ -66,12 +66,16 @@ def folder_lowercase(model_dir: str | Path) -> bool:
     """A model folder's casing: tokenizer_config.json's do_lower_case (what our exports and Hugging Face's models
     write); a folder without one: config.json's do_lower_case, else True (BERT's default, uncased)."""
     model_dir = Path(model_dir)
-    for name in (TOKENIZER_CONFIG, "config.json"):
-        path = model_dir / name
-        if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8")).get("do_lower_case")
-            if value is not None:
-                return bool(value)
+    return lowercase_of(*(json.loads((model_dir / name).read_text(encoding="utf-8"))
+                          if (model_dir / name).is_file() else None for name in (TOKENIZER_CONFIG, "config.json")))
+
+
+def lowercase_of(tokenizer_config: dict | None, config: dict | None) -> bool:
+    """The casing rule of `folder_lowercase` on the two files' contents (None: the folder has no such file)."""
+    for contents in (tokenizer_config, config):
+        value = (contents or {}).get("do_lower_case")
+        if value is not None:
+            return bool(value)
     return True
 
 

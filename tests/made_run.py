@@ -5,7 +5,8 @@ The clone is `git clone` of this repository with the working tree's uncommitted 
 test). Its `.venv` is made as `make setup` makes it, minus the downloads: a venv of the same Python whose
 site-packages path lists this test environment's (the same pinned stack), the clone installed into it editable
 (`pip install -e`, offline) and the console scripts of the stack (mlflow, ray, ...) beside its python;
-`.venv/.installed` is then newer than pyproject.toml, so `make run` goes straight to `bertpipe fetch-sample`
+`.venv/.installed` (the product) and `.venv/.installed-test` (the test extras: the stack has them) are then newer than
+pyproject.toml and the locks, so `make run` goes straight to `bertpipe fetch-sample`
 (offline too: the gensim wheel is copied into the clone's data/downloads, and fetch-sample extracts the dumps
 from it) and the run. DeepSpeed's JIT cache is an empty folder (TORCH_EXTENSIONS_DIR), as on a new machine; Ray's
 temp dir is one of the run's own (RAY_TMPDIR), so a test can look inside Ray's folders afterwards.
@@ -66,7 +67,8 @@ def _venv_without_downloads(clone: Path) -> None:
         if data.startswith(shebang + b"\n") or data.startswith(shebang + b" "):
             target.write_bytes(f"#!{there / 'python'}".encode() + data[len(shebang):])
             target.chmod(0o755)
-    (venv / ".installed").touch()  # newer than pyproject.toml and constraints.txt: make skips setup
+    (venv / ".installed").touch()  # newer than pyproject.toml and locks/cpu.txt: make skips setup
+    (venv / ".installed-test").touch()  # newer than .installed and locks/test.txt: make skips setup-test
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -90,7 +90,8 @@ def test_help_follows_the_codes_lists_not_a_copy_of_them(tmp_path, monkeypatch, 
     (tmp_path / "huge.yaml").write_text("seed: 1\n")
     (tmp_path / "small.yaml").write_text("seed: 2\n")
     monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)
-    extra = workflow.Stage("distill", ("pretrain",), ("pretrain",), "x:y", opt_in=True)
+    extra = workflow.Stage("distill", ("pretrain",), ("pretrain",), "bertpipe.jobs.pretrain.stage:run_stage",
+                           opt_in=True)
     monkeypatch.setattr(workflow, "STAGES", (*workflow.STAGES, extra))
     with pytest.raises(SystemExit) as done:
         cli.build_parser().parse_args(["run", "--help"])
@@ -273,8 +274,12 @@ def test_run_whose_reader_goes_away_mid_run_stops_in_three_quiet_lines(tmp_path,
 def test_following_a_job_stopped_by_ctrl_c_says_how_to_find_it_again(capsys):
     from bertpipe.jobs import submit
 
-    class Client:
+    class Client:  # Ctrl-C while the log stream is being read
         def get_job_status(self, job_id):
+            return "JobStatus.RUNNING"
+
+        async def tail_job_logs(self, job_id):
+            yield "a line\n"
             raise KeyboardInterrupt
 
     args = cli.build_parser().parse_args(["submit", "--address", "http://h:8265", "--", "run"])
@@ -293,3 +298,78 @@ def test_submit_exit_status_is_the_jobs_outcome(status, code, expected):
     from bertpipe.jobs import submit
 
     assert submit.exit_status(SimpleNamespace(status=f"JobStatus.{status}", driver_exit_code=code)) == expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# submit checks the command locally; status --check (issue 36, item 2). No cluster runs here: a port nothing
+# listens on shows that a refused command never reached one (submitting there is tested in test_cluster_e2e.py).
+
+
+def _nowhere() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("bad", ["pairs.dupe_factr=3", "pairs.dupe_factor=three", "nokey"])
+def test_submit_refuses_a_bad_set_locally_with_the_same_line_as_run(tmp_path, bad):
+    run = bertpipe("run", "--config", "tiny", "--workdir", str(tmp_path / "w"), "--set", bad, cwd=tmp_path)
+    sub = bertpipe("submit", "--address", _nowhere(), "--", "run", "--config", "tiny", "--workdir",
+                   str(tmp_path / "w"), "--set", bad, cwd=tmp_path)
+    assert sub.returncode == run.returncode == 2
+    assert sub.stderr == run.stderr and len(sub.stderr.splitlines()) == 1, sub.stderr
+    assert sub.stdout == ""
+
+
+def test_submit_checks_preset_file_and_stages_before_it_contacts_the_cluster(tmp_path):
+    nowhere = _nowhere()
+    unknown = bertpipe("submit", "--address", nowhere, "--", "status", "--config", "no_such_preset", cwd=tmp_path)
+    assert unknown.returncode == 2 and unknown.stderr.startswith("bertpipe: error: config 'no_such_preset' not found")
+    stage = bertpipe("submit", "--address", nowhere, "--", "run", "--only", "nosuchstage", cwd=tmp_path)
+    assert stage.returncode == 2 and len(stage.stderr.splitlines()) == 1 and "nosuchstage" in stage.stderr
+    # A relative --config file is looked up in the working dir, where the job will run.
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    (wd / "mine.yaml").write_text("pairs:\n  dupe_factr: 3\n")
+    in_wd = bertpipe("submit", "--address", nowhere, "--working-dir", str(wd), "--", "run", "--config",
+                     "mine.yaml", cwd=tmp_path)
+    assert in_wd.returncode == 2 and "dupe_factr" in in_wd.stderr, in_wd.stderr
+    (wd / "mine.yaml").write_text("pairs:\n  dupe_factor: 3\n")
+    good = bertpipe("submit", "--address", nowhere, "--working-dir", str(wd), "--", "run", "--config", "mine.yaml",
+                    cwd=tmp_path)  # checked, then the cluster is asked: nobody answers
+    assert good.returncode == 2 and "no Ray cluster answers at" in good.stderr, good.stderr
+    bad_json = bertpipe("submit", "--address", nowhere, "--runtime-env-json", "[1]", "--", "--version", cwd=tmp_path)
+    assert bad_json.returncode == 2 and "--runtime-env-json: expected a JSON object" in bad_json.stderr
+    secret = bertpipe("submit", "--address", nowhere, "--runtime-env-json",
+                      '{"env_vars": {"AWS_SECRET_ACCESS_KEY": "x"}}', "--", "--version", cwd=tmp_path)
+    assert secret.returncode == 2 and "refused" in secret.stderr, secret.stderr
+
+
+def test_submit_and_jobs_help_say_what_the_code_does():
+    sub = flat(bertpipe("submit", "--help").stdout)
+    assert "$RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS" in sub
+    for flag in ("--submission-id ID, --job-id ID", "--runtime-env-json JSON", "--entrypoint-num-cpus N",
+                 "--entrypoint-num-gpus N", "--working-dir"):
+        assert flag in sub, flag
+    status = flat(bertpipe("jobs", "status", "--help").stdout)
+    assert "0 SUCCEEDED, 1 FAILED, 3 PENDING or RUNNING" in status and "4 STOPPED" in status
+
+
+def test_status_check_exits_with_the_workdirs_state(tmp_path, enwiki_sample):
+    from conftest import USER_RUN_SETTINGS
+
+    common = ["--config", "tiny", "--workdir", str(tmp_path / "w"), "--set", f"clean.input={enwiki_sample}",
+              *USER_RUN_SETTINGS]
+    assert bertpipe("status", *common, cwd=tmp_path).returncode == 0  # a report: 0 whenever it could report
+    assert bertpipe("status", *common, "--check", cwd=tmp_path).returncode == 3  # nothing run yet: missing
+    ran = bertpipe("run", *common, "--only", "clean", cwd=tmp_path, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert bertpipe("status", *common, "--check", "--json", cwd=tmp_path).returncode == 3  # later stages missing
+    rows = json.loads(bertpipe("status", *common, "--json", cwd=tmp_path).stdout)
+    clean = next(r for r in rows if r["stage"] == "clean")
+    shard = next(Path(clean["output"]).glob("*.parquet"))
+    shard.write_bytes(shard.read_bytes() + b"x")  # an output no longer at the size its manifest lists
+    broken = bertpipe("status", *common, "--check", cwd=tmp_path)
+    assert broken.returncode == 1 and re.search(r"^clean\s+broken", broken.stdout, re.M), broken.stdout

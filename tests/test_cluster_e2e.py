@@ -286,11 +286,16 @@ def test_submit_follows_the_job_to_its_end_like_ray_job_submit(cluster, tmp_path
     assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in ok.stdout  # the job's own output, followed
     assert re.search(r"^\[bertpipe\] job \S+ SUCCEEDED after", ok.stdout, re.M), ok.stdout
 
-    # A job that fails: its log, its final state, and its own exit status (2: bad input).
-    bad = bertpipe("submit", "--", "config", "--config", "no_such_preset", env=env, cwd=tmp_path)
+    # A job that fails on the cluster (its input is not there; the config itself is checked before submission):
+    # its log, its final state, and its own exit status (2: bad input); `jobs status` exits 1 for it.
+    bad = bertpipe("submit", "--", "run", "--config", "tiny", "--workdir", str(tmp_path / "w"), "--set",
+                   f"clean.input={tmp_path / 'no_such_dump.xml.bz2'}", env=env, cwd=tmp_path)
     assert bad.returncode == 2, bad.stdout + bad.stderr
-    assert "bertpipe: error: config 'no_such_preset' not found" in bad.stdout
-    assert re.search(r"^\[bertpipe\] job \S+ FAILED after", bad.stdout, re.M), bad.stdout
+    assert "no_such_dump.xml.bz2" in bad.stdout and "bertpipe: error: " in bad.stdout, bad.stdout
+    failed = re.search(r"^\[bertpipe\] job (\S+) FAILED after", bad.stdout, re.M)
+    assert failed, bad.stdout
+    status = bertpipe("jobs", "status", failed.group(1), env=env, cwd=tmp_path)
+    assert status.returncode == 1 and status.stdout.startswith(f"{failed.group(1)}: FAILED"), status.stdout
 
     # --wait, the old spelling of the default, is still accepted.
     old = bertpipe("submit", "--wait", "--", "--version", env=env, cwd=tmp_path)
@@ -317,3 +322,85 @@ def test_submit_no_wait_returns_at_once_with_the_commands_that_follow_the_job(cl
     assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" in followed.stdout
     status = bertpipe(*shlex.split(shown["status"])[1:], env=env, cwd=tmp_path)
     assert status.returncode == 0 and status.stdout.startswith(f"{job}: SUCCEEDED"), status.stdout + status.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# `submit` as `ray job submit` (issue 36, item 2): the uploaded working dir's code runs; the Jobs API options;
+# a bad config never reaches the cluster; `jobs status` exits with the job's state.
+
+@pytest.mark.integration
+def test_a_change_made_only_in_the_working_dir_runs_on_the_cluster(cluster, tmp_path):
+    """A checkout uploaded with --working-dir whose `bertpipe --version` was changed there (and only there): the job
+    prints the changed version, not the installed package's. With it: --submission-id, --runtime-env-json's
+    env_vars and --entrypoint-num-cpus reach the Jobs API as `ray job submit` sends them."""
+    env = cluster["env"]
+    wd = tmp_path / "checkout"
+    for name in ("jobs", "pipeline", "model", "configs"):
+        shutil.copytree(REPO / name, wd / name, ignore=shutil.ignore_patterns("__pycache__"))
+    cli_py = wd / "jobs" / "cli.py"
+    text = cli_py.read_text()
+    installed = '        return version("bertpipe")\n'
+    assert installed in text
+    cli_py.write_text(text.replace(installed, '        return "0.0.0+from-the-working-dir"\n'))
+    job_id = f"bertpipe-wd-{os.getpid()}"
+    out = bertpipe("submit", "--working-dir", str(wd), "--submission-id", job_id, "--entrypoint-num-cpus", "1",
+                   "--runtime-env-json", '{"env_vars": {"BERTPIPE_E2E_MARK": "36"}}', "--", "--version",
+                   env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "bertpipe 0.0.0+from-the-working-dir\n" in out.stdout, out.stdout
+    assert f"bertpipe {importlib.metadata.version('bertpipe')}\n" not in out.stdout
+    assert re.search(rf"^job:\s+{job_id}$", out.stdout, re.M)
+    # What the Jobs API holds, asked with Ray's own client (its own process: Ray reads the auth mode once per process).
+    ask = ("import json, sys; from ray.job_submission import JobSubmissionClient as C; "
+           "i = C().get_job_info(sys.argv[1]); print(json.dumps([str(i.status), i.runtime_env]))")
+    asked = subprocess.run([sys.executable, "-c", ask, job_id], env=env, capture_output=True, text=True, timeout=120)
+    assert asked.returncode == 0, asked.stderr
+    _, runtime_env = json.loads(asked.stdout.strip().splitlines()[-1])
+    assert runtime_env["env_vars"]["BERTPIPE_E2E_MARK"] == "36"
+    assert runtime_env["working_dir"].startswith("gcs://") and len(runtime_env["py_modules"]) == 1
+    # --entrypoint-num-cpus reaches the scheduler (the Jobs API does not echo it): a driver asking for more CPUs
+    # than the cluster has (4) waits, PENDING, until stopped.
+    big = bertpipe("submit", "--no-wait", "--entrypoint-num-cpus", "64", "--", "--version", env=env, cwd=tmp_path)
+    assert big.returncode == 0, big.stdout + big.stderr
+    waiting = re.search(r"^job:\s+(\S+)$", big.stdout, re.M).group(1)
+    time.sleep(5)
+    pending = bertpipe("jobs", "status", waiting, env=env, cwd=tmp_path)
+    assert pending.returncode == 3 and pending.stdout.startswith(f"{waiting}: PENDING"), pending.stdout
+    assert bertpipe("jobs", "stop", waiting, env=env, cwd=tmp_path).returncode == 0
+    # The job id is taken: a second submission under it is refused by the cluster (as `ray job submit` is).
+    again = bertpipe("submit", "--job-id", job_id, "--no-wait", "--", "--version", env=env, cwd=tmp_path)
+    assert again.returncode == 2 and len(again.stderr.splitlines()) == 1, again.stderr
+    assert "already exists" in again.stderr
+
+
+@pytest.mark.integration
+def test_a_bad_config_is_refused_before_anything_is_submitted(cluster, tmp_path):
+    env = cluster["env"]
+    before = bertpipe("jobs", "list", env=env, cwd=tmp_path)
+    for bad in (["--config", "no_such_preset"], ["--config", "tiny", "--set", "pairs.dupe_factr=3"]):
+        out = bertpipe("submit", "--", "run", *bad, env=env, cwd=tmp_path)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert out.stderr.startswith("bertpipe: error: ") and out.stdout == ""
+    after = bertpipe("jobs", "list", env=env, cwd=tmp_path)
+    assert after.returncode == 0 and after.stdout == before.stdout
+
+
+@pytest.mark.integration
+def test_jobs_status_exits_with_the_jobs_state(cluster, tmp_path, enwiki_sample):
+    env = cluster["env"]
+    unknown = bertpipe("jobs", "status", "raysubmit_no_such_job", env=env, cwd=tmp_path)
+    assert unknown.returncode == 2 and len(unknown.stderr.splitlines()) == 1, unknown.stderr
+    assert "no job 'raysubmit_no_such_job'" in unknown.stderr
+    # A whole run takes minutes: running (3) while it does, stopped (4) once stopped.
+    out = bertpipe("submit", "--no-wait", "--", "run", "--config", "tiny", "--workdir", str(tmp_path / "w"),
+                   "--set", f"clean.input={enwiki_sample}", env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = re.search(r"^job:\s+(\S+)$", out.stdout, re.M).group(1)
+    running = bertpipe("jobs", "status", job, env=env, cwd=tmp_path)
+    assert running.returncode == 3 and re.match(rf"{job}: (PENDING|RUNNING)", running.stdout), running.stdout
+    assert bertpipe("jobs", "stop", job, env=env, cwd=tmp_path).returncode == 0
+    deadline = time.monotonic() + 120
+    while (status := bertpipe("jobs", "status", job, env=env, cwd=tmp_path)).returncode == 3:
+        assert time.monotonic() < deadline, status.stdout
+        time.sleep(1)
+    assert status.returncode == 4 and status.stdout.startswith(f"{job}: STOPPED"), status.stdout

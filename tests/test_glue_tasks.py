@@ -126,7 +126,122 @@ def test_smoke_sample_reads_with_every_reader(tmp_path):
     for name, spec in TASKS.items():
         data = read_task(str(tmp_path), spec)
         assert len(data.train) == 96 and all(len(d) == 24 for d in data.dev.values())
-        assert len(data.test) == len(spec.test_files)
+        assert len(data.test) == len(spec.test_files) + (name == "MNLI")  # MNLI: and the diagnostic set AX
         if not spec.is_regression:  # every label occurs
             assert set(np.unique(data.train.labels)) == set(range(spec.num_labels))
     assert sample_files(seed=3) == sample_files(seed=3) != sample_files(seed=4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face `datasets` Parquet folders (the nyu-mll/glue layout), read as the TSVs are (issue 36, item 3).
+
+# Written down here from the nyu-mll/glue dataset card, independently of the reader's table: folder, text columns,
+# the ClassLabel names in id order (None: STS-B's float score).
+HF_CARD = {
+    "CoLA": ("cola", ("sentence",), ("unacceptable", "acceptable")),
+    "SST-2": ("sst2", ("sentence",), ("negative", "positive")),
+    "MRPC": ("mrpc", ("sentence1", "sentence2"), ("not_equivalent", "equivalent")),
+    "STS-B": ("stsb", ("sentence1", "sentence2"), None),
+    "QQP": ("qqp", ("question1", "question2"), ("not_duplicate", "duplicate")),
+    "MNLI": ("mnli", ("premise", "hypothesis"), ("entailment", "neutral", "contradiction")),
+    "QNLI": ("qnli", ("question", "sentence"), ("entailment", "not_entailment")),
+    "RTE": ("rte", ("sentence1", "sentence2"), ("entailment", "not_entailment")),
+    "WNLI": ("wnli", ("sentence1", "sentence2"), ("not_entailment", "entailment")),
+}
+# The TSVs' label strings -> the card's names (the binary tasks' TSVs say 0/1).
+TSV_TO_CARD = {"CoLA": {"0": "unacceptable", "1": "acceptable"}, "SST-2": {"0": "negative", "1": "positive"},
+               "MRPC": {"0": "not_equivalent", "1": "equivalent"}, "QQP": {"0": "not_duplicate", "1": "duplicate"},
+               "WNLI": {"0": "not_entailment", "1": "entailment"}}
+SPLIT = {"train": "train", "MNLI-m": "validation_matched", "MNLI-mm": "validation_mismatched"}
+
+
+def _write_hf(root, task: str, split: str, ex, test: bool, shards: int = 1) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder, cols, names = HF_CARD[task]
+    data = {cols[0]: ex.text_a}
+    if len(cols) > 1:
+        data[cols[1]] = ex.text_b
+    if test:
+        data["label"] = [-1] * len(ex)
+        data["idx"] = [int(i) for i in ex.index]
+    else:
+        spec = TASKS[task]
+        if names is None:
+            data["label"] = ex.labels.astype("float32").tolist()
+        else:
+            card = TSV_TO_CARD.get(task, {})
+            data["label"] = [names.index(card.get(s, s)) for s in (spec.labels[i] for i in ex.labels)]
+        data["idx"] = list(range(len(ex)))
+    (root / folder).mkdir(parents=True, exist_ok=True)
+    table = pa.table(data)
+    step = -(-len(ex) // shards)
+    for n in range(shards):  # datasets' shard names: <split>-0000n-of-0000N.parquet
+        pq.write_table(table.slice(n * step, step), root / folder / f"{split}-{n:05d}-of-{shards:05d}.parquet")
+
+
+def _same(a, b) -> None:
+    assert a.text_a == b.text_a and a.text_b == b.text_b and a.index == b.index
+    if a.labels is None:
+        assert b.labels is None
+    else:
+        assert a.labels.dtype == b.labels.dtype and a.labels.tolist() == b.labels.tolist()
+
+
+def test_a_hugging_face_parquet_folder_reads_row_for_row_as_the_tsvs(tmp_path):
+    tsv_dir = tmp_path / "tsv"
+    write_sample(str(tsv_dir))
+    hf = tmp_path / "hf"
+    for task in TASKS:
+        data = read_task(str(tsv_dir), TASKS[task])
+        _write_hf(hf, task, "train", data.train, False, shards=2 if task == "QQP" else 1)
+        for name, ex in data.dev.items():
+            _write_hf(hf, task, SPLIT.get(name, "validation"), ex, False)
+        for name, ex in data.test.items():
+            if name == "AX":
+                _write_hf(hf, "MNLI", "test", ex, True)
+                (hf / "mnli" / "test-00000-of-00001.parquet").rename(hf / "ax.parquet")
+                continue
+            _write_hf(hf, task, {"MNLI-m": "test_matched", "MNLI-mm": "test_mismatched"}.get(name, "test"), ex, True)
+    (hf / "ax").mkdir()
+    (hf / "ax.parquet").rename(hf / "ax" / "test-00000-of-00001.parquet")
+    for task, spec in TASKS.items():
+        assert task_present(str(hf), spec) and not (hf / task).exists()
+        want, got = read_task(str(tsv_dir), spec), read_task(str(hf), spec)
+        assert len(got.train) > 0 and set(got.dev) == set(want.dev) and set(got.test) == set(want.test), task
+        _same(want.train, got.train)
+        for name in want.dev:
+            _same(want.dev[name], got.dev[name])
+        for name in want.test:
+            _same(want.test[name], got.test[name])
+        assert all(f["uri"].endswith(".parquet") for f in got.files)
+    assert "AX" in read_task(str(hf), TASKS["MNLI"]).test
+    # A folder holding both: the TSVs win (chosen by what the folder holds, per task).
+    (hf / "RTE").mkdir()
+    (hf / "RTE" / "train.tsv").write_bytes((tsv_dir / "RTE" / "train.tsv").read_bytes())
+    (hf / "RTE" / "dev.tsv").write_bytes((tsv_dir / "RTE" / "dev.tsv").read_bytes())
+    assert all(f["uri"].endswith(".tsv") for f in read_task(str(hf), TASKS["RTE"]).files)
+
+
+def test_a_parquet_file_without_the_tasks_columns_is_one_error_naming_them(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "sst2").mkdir()
+    pq.write_table(pa.table({"text": ["a"], "label": [1], "idx": [0]}), tmp_path / "sst2" / "train.parquet")
+    with pytest.raises(ValueError, match=r"sst2/train.parquet: no column sentence \(the nyu-mll/glue columns"):
+        read_task(str(tmp_path), TASKS["SST-2"])
+    pq.write_table(pa.table({"sentence": ["a"], "label": [7], "idx": [0]}), tmp_path / "sst2" / "train.parquet")
+    with pytest.raises(ValueError, match=r"row 0: label 7 is not a SST-2 class id"):
+        read_task(str(tmp_path), TASKS["SST-2"])
+
+
+def test_the_smoke_sample_ships_the_diagnostic_set(tmp_path):
+    files = sample_files()
+    ax = files["diagnostic/diagnostic.tsv"].splitlines()
+    assert ax[0] == "index\tsentence1\tsentence2" and len(ax) == 1 + 12
+    assert [r.split("\t")[0] for r in ax[1:]] == [str(i) for i in range(12)]
+    mnli = read_task(write_sample(str(tmp_path)), TASKS["MNLI"])
+    assert set(mnli.test) == {"MNLI-m", "MNLI-mm", "AX"} and mnli.test["AX"].labels is None
+    assert mnli.test["AX"].index == [str(i) for i in range(12)]

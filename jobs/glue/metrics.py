@@ -1,4 +1,4 @@
-"""GLUE's official metrics in plain numpy (scikit-learn / SciPy are test-only dependencies), and the averages.
+"""GLUE's official metrics from scikit-learn and SciPy (the calls Hugging Face's `glue` metric makes), and the averages.
 
 Task score = the mean of the task's official metrics (MRPC and QQP: F1 and accuracy; STS-B: Pearson and
 Spearman), MNLI = the mean of its matched and mismatched accuracy. The GLUE score is the plain mean of the nine
@@ -12,59 +12,56 @@ BASE: 84.6, 83.4, 71.2, 90.5, 93.5, 52.1, 85.8, 88.9, 66.4 → 79.6. Both are re
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
+from scipy import stats
+from sklearn import metrics as skm
 
 from bertpipe.jobs.glue.tasks import GLUE_TASKS
 
+# Where a score is undefined (constant predictions or labels, fewer than two rows) it is 0.0, never NaN: a
+# degenerate model scores as no better than chance and the averages stay numbers. scikit-learn already answers 0.0
+# for MCC and F1 (zero_division=0.0); SciPy answers NaN (and warns) for Pearson and Spearman, mapped to 0.0 here.
+# MCC, F1, accuracy: the very floats of the numpy formulas used before; Pearson: within a few units in the last place
+# of them, and closer to the exact value (tests/test_glue_metrics.py).
+
 
 def accuracy(preds, labels) -> float:
-    preds, labels = np.asarray(preds), np.asarray(labels)
-    return float((preds == labels).mean())
+    return float(skm.accuracy_score(np.asarray(labels), np.asarray(preds)))
 
 
 def f1_binary(preds, labels) -> float:
     """F1 of the positive class 1 (MRPC, QQP); 0 when there is no true or predicted positive."""
-    preds, labels = np.asarray(preds) == 1, np.asarray(labels) == 1
-    tp = float(np.sum(preds & labels))
-    denom = float(np.sum(preds) + np.sum(labels))
-    return 2.0 * tp / denom if denom else 0.0
+    return float(skm.f1_score(np.asarray(labels) == 1, np.asarray(preds) == 1, zero_division=0.0))
 
 
 def matthews_corrcoef(preds, labels) -> float:
     """Multiclass Matthews correlation (Gorodkin's R_K), = the binary phi coefficient; 0 when undefined."""
-    preds, labels = np.asarray(preds), np.asarray(labels)
-    classes, inv = np.unique(np.concatenate([labels, preds]), return_inverse=True)
-    k = len(classes)
-    y, p = inv[:len(labels)], inv[len(labels):]
-    conf = np.zeros((k, k), dtype=np.float64)
-    np.add.at(conf, (y, p), 1.0)
-    t, q = conf.sum(axis=1), conf.sum(axis=0)
-    c, s = np.trace(conf), conf.sum()
-    denom = np.sqrt((s * s - q @ q) * (s * s - t @ t))
-    return float((c * s - t @ q) / denom) if denom else 0.0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "A single label was found", UserWarning)  # the 0.0 case
+        return float(skm.matthews_corrcoef(np.asarray(labels), np.asarray(preds)))
+
+
+def _correlation(fn, x, y) -> float:
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} values for {len(y)}")
+    if len(x) < 2:
+        return 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
+        r = float(fn(x, y).statistic)
+    return 0.0 if np.isnan(r) else r
 
 
 def pearson(x, y) -> float:
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    x, y = x - x.mean(), y - y.mean()
-    denom = np.sqrt((x @ x) * (y @ y))
-    return float(x @ y / denom) if denom else 0.0
-
-
-def _rank(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n, ties get the mean of their ranks (as scipy.stats.rankdata's default)."""
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
-    ends = np.r_[starts[1:], len(x)]
-    mean_rank = (starts + ends + 1) / 2.0  # mean of ranks starts+1 .. ends
-    ranks = np.empty(len(x), dtype=np.float64)
-    ranks[order] = np.repeat(mean_rank, ends - starts)
-    return ranks
+    return _correlation(stats.pearsonr, x, y)
 
 
 def spearman(x, y) -> float:
-    return pearson(_rank(np.asarray(x, dtype=np.float64)), _rank(np.asarray(y, dtype=np.float64)))
+    """Pearson of the ranks, ties getting the mean of their ranks (scipy.stats.spearmanr)."""
+    return _correlation(stats.spearmanr, x, y)
 
 
 METRICS = {"accuracy": accuracy, "f1": f1_binary, "mcc": matthews_corrcoef, "pearson": pearson,
@@ -81,8 +78,6 @@ def task_score(metrics_by_split: dict[str, dict[str, float]]) -> float:
     """Mean over the task's dev sets (MNLI: m and mm) of the mean of each set's metrics; in [0, 1]."""
     per_split = [float(np.mean(list(m.values()))) for m in metrics_by_split.values()]
     return float(np.mean(per_split))
-
-
 
 
 def glue_score(task_scores: dict[str, float]) -> tuple[float, bool]:

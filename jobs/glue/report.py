@@ -44,13 +44,18 @@ def submission_rows(spec: TaskSpec, preds: list) -> list[str]:
 
 
 def write_submission(out_uri: str, outcomes: list[TaskOutcome]) -> list[str]:
-    """submission/<name>.tsv per test set of each finished task + submission.zip; returns the file names."""
+    """submission/<name>.tsv per test set of each finished task (its best trial's) + submission.zip; returns the
+    file names. MNLI's model also predicts the diagnostic set: AX.tsv."""
+    return write_submission_files(out_uri, [(o.spec, o.best.result.outputs["test_predictions"]) for o in outcomes
+                                            if o.status == "ok" and o.best is not None])
+
+
+def write_submission_files(out_uri: str, predictions: list[tuple[TaskSpec, dict]]) -> list[str]:
+    """submission/<name>.tsv per test set ({name: [index, predictions]} per task) + submission.zip."""
     files: dict[str, bytes] = {}
-    for o in outcomes:
-        if o.status != "ok" or o.best is None:
-            continue
-        for name, (index, preds) in o.best.result.outputs["test_predictions"].items():
-            lines = ["index\tprediction"] + [f"{i}\t{p}" for i, p in zip(index, submission_rows(o.spec, preds))]
+    for spec, test_predictions in predictions:
+        for name, (index, preds) in test_predictions.items():
+            lines = ["index\tprediction"] + [f"{i}\t{p}" for i, p in zip(index, submission_rows(spec, preds))]
             files[f"{name}.tsv"] = ("\n".join(lines) + "\n").encode()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:

@@ -3,7 +3,8 @@
 The embedded default run has no GLUE download (it is not redistributable with the project), so the finetune
 stage writes this sample into its output folder and runs on it: nine task folders, each in its task's exact
 layout (CoLA header-less train/dev, MRPC byte-order mark, STS-B ten columns, MNLI's 12/16/10 columns...), so
-the real readers and the whole fan-out are exercised end to end. Scores on it mean nothing.
+the real readers and the whole fan-out are exercised end to end; with the diagnostic set AX
+(diagnostic/diagnostic.tsv), which the MNLI model predicts for the submission. Scores on it mean nothing.
 Sentences come from a few templates with an explicit random.Random(seed), so the sample is deterministic and
 the labels are learnable (e.g. "contradiction" = the premise negated).
 """
@@ -144,6 +145,11 @@ def sample_files(seed: int = 0, sizes: dict[str, int] | None = None) -> dict[str
             for f_i, name in enumerate(names):
                 rng = random.Random(f"{seed}/{task}/{split}/{f_i}")
                 files[f"{task}/{name}"] = _format(task, split, _rows(task, rng, sizes[split]))
+    # The diagnostic set AX in its GLUE layout (index, sentence1, sentence2; test only, no labels): predicted by the
+    # MNLI model into the submission's AX.tsv.
+    rows = _rows("MNLI", random.Random(f"{seed}/AX/test"), sizes["test"])
+    files["diagnostic/diagnostic.tsv"] = "\n".join(
+        ["index\tsentence1\tsentence2"] + [f"{i}\t{r['a']}\t{r['b']}" for i, r in enumerate(rows)]) + "\n"
     return files
 
 

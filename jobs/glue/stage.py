@@ -23,7 +23,8 @@ from bertpipe.jobs.glue.config import FinetuneConfig
 from bertpipe.jobs.glue.report import (SMOKE_LABEL, TaskOutcome, as_fractions, scores, summary_table,
                                       write_submission)
 from bertpipe.jobs.glue.sample import write_sample
-from bertpipe.jobs.glue.tasks import GLUE_TASKS, TASKS, get_task, read_task, task_present
+from bertpipe.jobs.glue.tasks import (AX, GLUE_TASKS, HF_GLUE, HF_SPLITS, TASKS, get_task, has_split, parquet_files,
+                                     read_task, split_uri, task_format, task_present)
 from bertpipe.jobs.glue.trial import GlueTask
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import failures, fanout, kept
@@ -45,10 +46,19 @@ def describe_raw_inputs(cfg: FinetuneConfig) -> list[dict[str, Any]]:
     """Size + checksum of every GLUE file the stage would read (none for the built-in smoke sample)."""
     if not cfg.glue_data_dir:
         return []
-    uris = [storage.join(cfg.glue_data_dir, name, fname) for name in task_names(cfg)
-            for fname in ("train.tsv", *(f for _, f in TASKS[name].dev_files),
-                          *(f for _, f in TASKS[name].test_files))]
+    glue = cfg.glue_data_dir
+    uris = [uri for name in task_names(cfg) if task_present(glue, TASKS[name])
+            for fname in ("train.tsv", *(f for _, f in TASKS[name].dev_files), *(f for _, f in TASKS[name].test_files))
+            for uri in split_uris(glue, TASKS[name], fname)]
+    uris += [storage.join(glue, *AX[1].split("/"))] + parquet_files(glue, AX[2], "test")
     return [describe_file(uri, "GLUE file") for uri in uris if storage.is_file(uri)]
+
+
+def split_uris(glue_dir: str, spec, fname: str) -> list[str]:
+    """Every file of one split: its TSV, or its Parquet shards."""
+    if task_format(glue_dir, spec) == "parquet":
+        return parquet_files(glue_dir, HF_GLUE[spec.name][0], HF_SPLITS[fname])
+    return [storage.join(glue_dir, spec.name, fname)]
 
 
 def check_glue_dir(cfg: FinetuneConfig) -> None:
@@ -57,14 +67,16 @@ def check_glue_dir(cfg: FinetuneConfig) -> None:
         return
     if not storage.exists(cfg.glue_data_dir):
         raise StageInputError(f"finetune.glue_data_dir {cfg.glue_data_dir} does not exist")
-    present = [n for n in task_names(cfg) if storage.exists(storage.join(cfg.glue_data_dir, n))]
+    present = [n for n in task_names(cfg) if storage.exists(storage.join(cfg.glue_data_dir, n))
+               or task_present(cfg.glue_data_dir, TASKS[n])]
     wanted = list(cfg.tasks) or present
     if not wanted:
         raise StageInputError(f"finetune.glue_data_dir {cfg.glue_data_dir} holds none of the GLUE task folders "
-                              f"({', '.join(GLUE_TASKS)})")
-    missing = [storage.join(cfg.glue_data_dir, name, f) for name in wanted
+                              f"({', '.join(GLUE_TASKS)}; or the Hugging Face nyu-mll/glue folders: "
+                              f"{', '.join(HF_GLUE[t][0] for t in GLUE_TASKS)})")
+    missing = [split_uri(cfg.glue_data_dir, TASKS[name], f) for name in wanted
                for f in ("train.tsv", *(f for _, f in TASKS[name].dev_files))
-               if not storage.is_file(storage.join(cfg.glue_data_dir, name, f))]
+               if not has_split(cfg.glue_data_dir, TASKS[name], f)]
     if missing:
         raise StageInputError(f"GLUE data incomplete: missing {', '.join(missing)}")
 
@@ -85,7 +97,8 @@ def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, 
     if not task_present(glue_dir, spec):
         if cfg.tasks:  # named explicitly: its absence is an error
             outcome.status = "failed"
-            outcome.error = f"{storage.join(glue_dir, name)}: task folder or train.tsv missing"
+            outcome.error = (f"{storage.join(glue_dir, name)}: task folder or train.tsv missing (nor "
+                             f"{storage.join(glue_dir, HF_GLUE[name][0])}/train*.parquet)")
         else:
             outcome.status = "absent"
         return outcome, None, []

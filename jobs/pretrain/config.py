@@ -11,12 +11,16 @@ from typing import Literal
 
 from bertpipe.pipeline.config import above, at_least, one_of, path_field, sequence_length, within
 
-MODEL_PRESETS = ("tiny", "bert-tiny", "mini", "base", "large")
+# "from-init": the shape of the checkpoint `pretrain.init` names (its config.json); the config loader picks it when
+# pretrain.init is set and no preset is named (jobs/pretrain/init.py).
+FROM_INIT = "from-init"
+MODEL_PRESETS = ("tiny", "bert-tiny", "mini", "base", "large", FROM_INIT)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    # A size from model.PRESETS; vocab_size always comes from the vocabulary stage, never from here.
+    # A size from model.PRESETS, or "from-init" (the shape of pretrain.init's config.json); vocab_size always comes
+    # from the vocabulary stage, never from here.
     preset: str = "tiny"
     # Recompute each layer in the backward pass: ~30% slower, much less activation memory (BERT-Large at 512).
     activation_checkpointing: bool = False
@@ -58,6 +62,11 @@ class PretrainConfig:
     # A pairs shard folder (seq_128/, seq_512/ ...) to train on instead of the pairs stage's output; its vocabulary
     # must then be given as vocab.path. Empty = the pairs stage's output.
     input: str = path_field()
+    # A BERT to continue pre-training from: a Hugging Face folder (config.json, model.safetensors or
+    # pytorch_model.bin, vocab.txt, optionally tokenizer_config.json), a local path or a URI every worker reads.
+    # It sets vocab.path (its vocab.txt), vocab.lowercase (its casing) and the model's shape (model.preset
+    # from-init); heads it lacks (MLM, NSP) start freshly initialised. Empty = random initialisation.
+    init: str = path_field()
     # --- resources
     num_workers: int = 2
     use_gpu: bool = False
@@ -114,8 +123,11 @@ class PretrainConfig:
     # Ray Train storage (local path or s3://). Empty = <parent of the stage output>/ray_results, outside the
     # output folder (the workflow empties that before a rerun, and a rerun must find the checkpoints).
     storage_path: str = path_field()
-    # Run name under storage_path; empty = derived from the config and inputs, so an identical rerun resumes.
+    # Run name under storage_path; empty = derived from the fields that change the result (jobs/pretrain/identity.py),
+    # so a rerun resumes unless one of them changed.
     run_name: str = ""
+    # Start this run again from step 0 even though a checkpoint of the same settings exists (it is kept).
+    restart: bool = False
 
     def __post_init__(self) -> None:
         """ValueError naming the key for every value and combination that cannot run (before any worker starts)."""
@@ -204,6 +216,20 @@ class PretrainConfig:
             if ph.global_batch_size % per_step:
                 raise ValueError(f"{where}.global_batch_size {ph.global_batch_size} is not divisible by num_workers "
                                  f"× micro_batch_size = {self.num_workers} × {ph.micro_batch_size} = {per_step}")
+
+
+def bert_config(model: ModelConfig, vocab_size: int, init_config: dict | None = None, **fields):
+    """The BertConfig a pre-training builds: that of the init's config.json (`init_config`, pretrain.init set), else
+    the preset's, with this vocabulary's size and `fields` (dropout, activation checkpointing)."""
+    import dataclasses
+
+    from bertpipe.model import BertConfig
+
+    if init_config:  # the checkpoint's shape in full (positions, eps: what a preset of its size may not match)
+        return dataclasses.replace(BertConfig.from_hf_dict(init_config), vocab_size=vocab_size, **fields)
+    if model.preset == FROM_INIT:
+        raise ValueError("model.preset from-init needs pretrain.init (a BERT folder whose config.json gives the shape)")
+    return BertConfig.preset(model.preset, vocab_size=vocab_size, **fields)
 
 
 # Below this micro-batch at accumulation 1 the per-step overhead dominates a GPU step (measured on an H100,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
+from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig, bert_config
 
 EVAL_BATCH = 32  # loop.evaluate's batch size
 FIXED_SAVE_S = 0.1  # a checkpoint's bookkeeping (Ray Train's report) before one was measured: 0.0-0.1 s measured
@@ -32,12 +32,10 @@ ASSUMED_BYTES_S = 200e6  # storage speed assumed for a checkpoint before one was
 STEADY_STEPS = 3  # steps of a phase before its own step time prices its remaining steps
 
 
-def step_cost(model: ModelConfig, vocab_size: int, phase: PhaseConfig) -> float:
+def step_cost(model: ModelConfig, vocab_size: int, phase: PhaseConfig, init_config: dict | None = None) -> float:
     """Training FLOPs of one optimizer step of `phase` (all workers), up to a constant: dense layers (6 × params ×
     tokens), attention (quadratic in the length) and the MLM head over the predicted positions."""
-    from bertpipe.model import BertConfig
-
-    bert = BertConfig.preset(model.preset, vocab_size=vocab_size)
+    bert = bert_config(model, vocab_size, init_config)
     h, layers, length = bert.hidden_size, bert.num_hidden_layers, phase.max_seq_length
     dense = layers * (4 * h * h + 2 * h * bert.intermediate_size)
     per_sequence = 6 * dense * length + 12 * layers * length * length * h \
@@ -45,11 +43,9 @@ def step_cost(model: ModelConfig, vocab_size: int, phase: PhaseConfig) -> float:
     return float(per_sequence * phase.global_batch_size)
 
 
-def state_bytes(model: ModelConfig, vocab_size: int) -> tuple[float, float]:
+def state_bytes(model: ModelConfig, vocab_size: int, init_config: dict | None = None) -> tuple[float, float]:
     """(checkpoint bytes, export bytes) of all ranks: fp32 weights + Adam's two moments, and the weights alone."""
-    from bertpipe.model import BertConfig
-
-    bert = BertConfig.preset(model.preset, vocab_size=vocab_size)
+    bert = bert_config(model, vocab_size, init_config)
     h = bert.hidden_size
     params = (vocab_size + bert.max_position_embeddings + 2) * h \
         + bert.num_hidden_layers * (4 * h * h + 2 * h * bert.intermediate_size)
@@ -97,6 +93,7 @@ class Schedule:
     world: int
     train_rows: dict[int, int]  # phase index -> training rows per worker (0: unknown, no epoch boundaries counted)
     heldout_rows: dict[int, int]  # phase index -> held-out rows per worker
+    init_config: dict = field(default_factory=dict)  # pretrain.init's config.json (its shape), {} = the preset's
 
     def bounds(self) -> list[tuple[int, int]]:
         """(first step, last step) of each phase; a phase with no steps is (s, s - 1)."""
@@ -134,12 +131,12 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
     if not measured:
         return None
     ref = phase if phase in measured else measured[-1]
-    cost_per_s = step_cost(s.model, s.vocab_size, cfg.phases[ref]) / clock.mean_step(ref)
+    cost_per_s = step_cost(s.model, s.vocab_size, cfg.phases[ref], s.init_config) / clock.mean_step(ref)
     stream = clock.stream_start_s or 0.0
 
     def step_s(q: int) -> float:
         mean = clock.mean_step(q) if q == ref else clock.steady_step(q)
-        return mean if mean is not None else step_cost(s.model, s.vocab_size, cfg.phases[q]) / cost_per_s
+        return mean if mean is not None else step_cost(s.model, s.vocab_size, cfg.phases[q], s.init_config) / cost_per_s
 
     def eval_s(q: int) -> float:
         if q in clock.eval_s:
@@ -151,7 +148,7 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
         per_sequence = step_s(q) / (cfg.phases[q].global_batch_size / s.world)
         return s.eval_batches(q) * EVAL_BATCH * per_sequence / 3
 
-    ckpt_bytes, export_bytes = state_bytes(s.model, s.vocab_size)
+    ckpt_bytes, export_bytes = state_bytes(s.model, s.vocab_size, s.init_config)
     per_rank = ckpt_bytes / s.world
     if clock.checkpoint_s is not None:  # the export writes the weights alone, at the speed a checkpoint was written
         checkpoint, export = clock.checkpoint_s, clock.checkpoint_s * export_bytes / per_rank

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bertpipe.jobs.pretrain import checkpoints, eta
-from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
+from bertpipe.jobs.pretrain import checkpoints, eta, identity
+from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig, bert_config
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.heldout import read_heldout
 from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts, mapped_layouts
@@ -59,6 +59,8 @@ class WorkerSpec:
     progress: Reporter = field(default_factory=Reporter)  # the driver's live progress line (rank 0 reports)
     rows: dict[str, int] = field(default_factory=dict)  # {"train_128": rows, "heldout_128": rows, ...}
     heldout: dict[int, str] = field(default_factory=dict)  # seq length -> held-out shard (read by heldout.py)
+    init: str = ""  # pretrain.init: the BERT folder every worker loads its weights from (init.py), "" = random
+    init_config: dict = field(default_factory=dict)  # its config.json: the model's shape
 
 
 @dataclass
@@ -98,7 +100,8 @@ class Worker:
         per_worker = {k: v // self.world for k, v in rows.items()}
         return eta.Schedule(cfg, self.spec.model, len(self.spec.vocab_tokens), self.world,
                             {q: per_worker.get(f"train_{p.max_seq_length}", 0) for q, p in enumerate(cfg.phases)},
-                            {q: per_worker.get(f"heldout_{p.max_seq_length}", 0) for q, p in enumerate(cfg.phases)})
+                            {q: per_worker.get(f"heldout_{p.max_seq_length}", 0) for q, p in enumerate(cfg.phases)},
+                            self.spec.init_config)
 
     def doing(self, what: str) -> None:
         """Rank 0 tells the driver's progress line what the workers are busy with (shown if it takes a while)."""
@@ -115,12 +118,11 @@ class Worker:
                                doing="", eta_s=left, eta_at=time.time())
 
 
-def flops_counter(model_cfg: ModelConfig, vocab_size: int, masked: int):
+def flops_counter(model_cfg: ModelConfig, vocab_size: int, masked: int, init_config: dict | None = None):
     """Useful FLOPs of a micro-batch of shape (batch, seq) of this model (model/flops.py), for the meter."""
-    from bertpipe.model import BertConfig
     from bertpipe.model.flops import step_flops
 
-    bert_cfg = BertConfig.preset(model_cfg.preset, vocab_size=vocab_size)
+    bert_cfg = bert_config(model_cfg, vocab_size, init_config)
     return lambda batch, seq: step_flops(bert_cfg, batch, seq, masked)
 
 
@@ -137,24 +139,35 @@ def seed_of(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
-    from bertpipe.model import BertConfig, BertForPreTraining
+def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int, init: str = "", init_config: dict | None = None):
+    """The model a worker trains: randomly initialised, or (`init`, pretrain.init) with the checkpoint's weights,
+    loaded here, before DeepSpeed wraps it; what the checkpoint lacks keeps the seeded initialisation."""
+    from bertpipe.model import BertForPreTraining
 
-    bert_cfg = BertConfig.preset(model_cfg.preset, vocab_size=vocab_size,
-                                 activation_checkpointing=model_cfg.activation_checkpointing,
-                                 hidden_dropout_prob=model_cfg.hidden_dropout_prob,
-                                 attention_probs_dropout_prob=model_cfg.attention_probs_dropout_prob)
+    bert_cfg = bert_config(model_cfg, vocab_size, init_config,
+                           activation_checkpointing=model_cfg.activation_checkpointing,
+                           hidden_dropout_prob=model_cfg.hidden_dropout_prob,
+                           attention_probs_dropout_prob=model_cfg.attention_probs_dropout_prob)
     torch.manual_seed(seed)  # identical initial weights on every rank (ZeRO-3 partitions each rank's copy)
-    return BertForPreTraining(bert_cfg)
+    model = BertForPreTraining(bert_cfg)
+    if init:
+        from bertpipe.jobs.pretrain.init import heads_line, heads_named, load_into
+
+        started = time.perf_counter()
+        fresh = load_into(model, init)
+        log.info("%s (loaded in %.1f s)", heads_line(init, heads_named(model, fresh)), time.perf_counter() - started)
+    return model
 
 
-def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, seed: int, world: int):
+def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, seed: int, world: int,
+                 init_config: dict | None = None):
     """The DeepSpeed engine and LR scheduler of one worker (torch.distributed already initialised): what every
-    worker runs, and what the CPU tests and the step profile build without Ray."""
+    worker runs, and what the CPU tests and the step profile build without Ray. With pretrain.init set, the model
+    starts from that checkpoint's weights (`init_config`: its config.json)."""
     import deepspeed
 
     skip_inference_comm_op()
-    model = build_model(model_cfg, vocab_size, seed)
+    model = build_model(model_cfg, vocab_size, seed, cfg.init, init_config)
     if cfg.optimizer_impl == "torch":
         optimizer, params = make_optimizer(cfg, model), None
     else:
@@ -184,7 +197,7 @@ def setup(spec: WorkerSpec) -> Worker:
     torch.set_num_threads(cfg.cpus_per_worker)
     if rank == 0:  # add(0): a restarted attempt's progress stays where training stood until it resumes
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
-    engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world)
+    engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world, spec.init_config)
     return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
                   RunLogger(spec.tracking, enabled=rank == 0))
 
@@ -219,10 +232,17 @@ def restore(w: Worker) -> Position:
         return Position()
     state = checkpoints.load(w.engine, checkpoint)
     w.history = state.pop("history", [])
+    state.pop("layout", None)  # the driver checked it against this attempt's (identity.check_layout)
     position = Position(**state)
     log.info("rank %d resumed at %s", w.rank, position)
     assert w.engine.global_steps == position.step, (w.engine.global_steps, position.step)
     return position
+
+
+def layout(w: Worker) -> dict:
+    """How the checkpoint's state is laid out: what a resume on another layout must match (identity.check_layout)."""
+    cfg = w.spec.pretrain
+    return identity.layout_of(w.world, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
 
 
 def masking_spec(w: Worker, phase: PhaseConfig, training: bool = True) -> MaskingSpec:
@@ -435,7 +455,8 @@ def after_step(w: Worker, meter: Meter, position: Position, phase_end: int, last
     if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
         w.doing(f"saving a checkpoint (step {step})")
         started = time.perf_counter()
-        checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": w.history},
+        checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": w.history,
+                                               "layout": layout(w)},
                                     {"step": step, **last})
         w.clock.checkpoint_s = took = time.perf_counter() - started
         w.excluded += took
@@ -526,8 +547,8 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     # DeepSpeed finds accumulation boundaries by micro_steps % accumulation steps; a phase (and a resume) always
     # starts on a boundary, so restart the count where the accumulation steps may change.
     w.engine.micro_steps = 0
-    meter = Meter(w.device, flops_counter(w.spec.model, len(w.spec.vocab_tokens), phase.max_predictions_per_seq),
-                  device_peak_tflops(w.device))
+    meter = Meter(w.device, flops_counter(w.spec.model, len(w.spec.vocab_tokens), phase.max_predictions_per_seq,
+                                          w.spec.init_config), device_peak_tflops(w.device))
     while position.step < phase_end:
         position, last = run_epoch(w, meter, position, phase_end, last)
         if position.step < phase_end:
@@ -574,5 +595,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     log.info("rank %d: export took %.1f s", w.rank, time.perf_counter() - started)
     w.doing("saving the last checkpoint")
     started = time.perf_counter()
-    checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": final["history"][:-1]}, final)
+    checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": final["history"][:-1],
+                                           "layout": layout(w)}, final)
     log.info("rank %d: last checkpoint took %.1f s", w.rank, time.perf_counter() - started)

@@ -25,7 +25,8 @@ from bertpipe.jobs.capacity import FIX, Need, ask_autoscaler, release_request, w
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.interrupts import Interrupted
 from bertpipe.jobs.pretrain.attempts import AttemptWatch
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, step_of, survey, take_stop_reason
+from bertpipe.jobs.pretrain import identity
+from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, STATE_FILE, step_of, survey, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
@@ -134,14 +135,55 @@ def preflight(ctx: StageContext) -> None:
                 train, heldout = list_shards(pairs.uri, phase.max_seq_length)
                 for uri in (train[0], heldout):
                     check_shard(uri, vhash, phase.max_seq_length)
+    if cfg.init:
+        init_heads(ctx)
 
 
-def run_name(ctx: StageContext, cfg: PretrainConfig) -> str:
+def init_heads(ctx: StageContext) -> list[str]:
+    """pretrain.init's weights checked against the model (names, shapes; jobs/pretrain/init.py) and the heads they
+    lack, by Hugging Face name."""
+    from bertpipe.jobs.pretrain.init import missing_heads
+    from bertpipe.pipeline.vocab import load_vocab, vocab_file
+
+    cfg: PretrainConfig = ctx.config["pretrain"]
+    return missing_heads(cfg.init, ctx.config["model"], len(load_vocab(vocab_file(ctx.input("vocab").uri))))
+
+
+def run_identity(ctx: StageContext) -> dict[str, Any]:
+    ids = {n: (i.manifest or {}).get("output_id", i.uri) for n, i in sorted(ctx.inputs.items())}
+    return identity.identity(ctx.config, ctx.seed, ids)
+
+
+def run_name(ctx: StageContext, cfg: PretrainConfig, storage_path: str) -> str:
+    """The run folder this stage trains in: its identity's (jobs/pretrain/identity.py), or `pretrain.run_name`."""
     if cfg.run_name:
         return cfg.run_name
-    ids = {n: (i.manifest or {}).get("output_id", i.uri) for n, i in sorted(ctx.inputs.items())}
-    key = {k: to_dict(v) for k, v in ctx.config.items()}
-    return "pretrain-" + stable_hash({"config": key, "seed": ctx.seed, "inputs": ids})[:12]
+    return identity.choose_name(identity.base_name(run_identity(ctx)), identity.run_folders(storage_path),
+                                cfg.restart)
+
+
+def announce_start(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str, resume: str | None,
+                   run: RunLogger) -> None:
+    """One line on what training starts from (a checkpoint, with its layout and this one's; or step 0, and why),
+    the same in MLflow's tags; refuses a checkpoint this layout cannot load (identity.check_layout)."""
+    now = identity.layout_of(cfg.num_workers, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
+    if resume:
+        state = json.loads(storage.read_text(storage.join(resume, STATE_FILE)))
+        then, step = state.get("layout"), int(state["step"])
+        identity.check_layout(then, now, step)
+        line = (f"pretrain: resuming from the step-{step} checkpoint {resume} (taken with "
+                f"{identity.describe_layout(then)}; now {identity.describe_layout(now)})")
+        run.set_tags({"bertpipe.resumed_from_step": str(step), "bertpipe.resumed_from_checkpoint": resume})
+    else:
+        previous = identity.previous_run(storage_path, name)
+        changed = identity.changes(previous[1], run_identity(ctx)) if previous else []
+        why = ("pretrain.restart" if cfg.restart else
+               f"{'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} since run {previous[0]}" if changed
+               else "no checkpoint of these settings yet")
+        line = f"pretrain: training starts at step 0 ({why})"
+        run.set_tags({"bertpipe.started_from": "random initialisation", "bertpipe.restarted_because": why})
+    console_line(line)
+    identity.record(storage_path, name, run_identity(ctx))
 
 
 def _datasets(pairs_uri: str, spec: WorkerSpec) -> tuple[dict[str, Any], WorkerSpec]:
@@ -185,9 +227,11 @@ def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name:
 
     vocab_uri = vocab_file(ctx.input("vocab").uri)
     tokens = load_vocab(vocab_uri)  # validated: special tokens present, no duplicates
+    init_config = json.loads(storage.read_bytes(storage.join(cfg.init, "config.json"))) if cfg.init else {}
     return WorkerSpec(pretrain=cfg, model=ctx.config["model"], seed=ctx.seed, vocab_tokens=tokens,
                       vocab_bytes=storage.read_bytes(vocab_uri), tracking=dict(ctx.tracking),
-                      export_uri=export_of(ctx.output_uri), storage_path=storage_path, run_name=name)
+                      export_uri=export_of(ctx.output_uri), storage_path=storage_path, run_name=name,
+                      init=cfg.init, init_config=init_config)
 
 
 def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
@@ -250,7 +294,8 @@ def model_card(ctx: StageContext, metrics: dict[str, float], run: RunLogger) -> 
     cfg: PretrainConfig = ctx.config["pretrain"]
     lengths = [p.max_seq_length for p, n in zip(cfg.phases, cfg.phase_steps()) if n]
     text = ("Held-out " + ", ".join(figures) + ". " if figures else "") + (
-        f"{ctx.config['model'].preset} BERT, {out['steps']} optimizer steps at seq "
+        f"{ctx.config['model'].preset} BERT{f' continued from {cfg.init}' if cfg.init else ''}, {out['steps']} "
+        f"optimizer steps at seq "
         f"{' then '.join(map(str, lengths))}, on pairs output `{out.get('data', '')}`")
     if parent.get("mlflow.runName"):
         text += f", by workflow run `{parent['mlflow.runName']}`"
@@ -315,6 +360,20 @@ def write_learning(ctx: StageContext, base: dict, history: list[dict],
     return {k: v for k, v in base.items() if isinstance(v, float)}, sorted(files)
 
 
+def final_metrics(ctx: StageContext, result: Any, baselines: dict, run: RunLogger) -> tuple[dict, list[str]]:
+    """The workers' final figures with the baselines and how far above them the held-out accuracies are; the
+    learning files written."""
+    metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
+    with doing("pretrain: baselines and learning curves"):
+        base, learning_files = write_learning(ctx, baselines, (result.metrics or {}).get("history", []), run)
+    metrics.update(base)
+    for task in ("mlm", "nsp"):  # how far above the trivial predictor the held-out accuracy is
+        baseline = metrics.get(f"baseline_{task}_accuracy")
+        if baseline and f"eval_{task}_accuracy" in metrics:
+            metrics[f"eval_{task}_over_baseline"] = metrics[f"eval_{task}_accuracy"] / baseline
+    return metrics, learning_files
+
+
 def run_stage(ctx: StageContext) -> StageResult:
     import concurrent.futures
 
@@ -324,7 +383,11 @@ def run_stage(ctx: StageContext) -> StageResult:
     if layout_warning(cfg):
         log.warning("%s", layout_warning(cfg))
     storage_path = cfg.storage_path or ctx.paths.ray_results
-    spec = worker_spec(ctx, cfg, storage_path, run_name(ctx, cfg))
+    spec = worker_spec(ctx, cfg, storage_path, run_name(ctx, cfg, storage_path))
+    if cfg.init:  # what the checkpoint lacks, in one line (the workers load it before DeepSpeed wraps the model)
+        from bertpipe.jobs.pretrain.init import heads_line
+
+        console_line(heads_line(cfg.init, init_heads(ctx)))
     datasets, spec = _datasets(ctx.input("pairs").uri, spec)
     ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.num_workers)
     storage.write_text_atomic(storage.join(ctx.output_uri, "deepspeed_config.json"),
@@ -333,6 +396,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     run.log_params(ctx.config, skip_logged=True)
     run.log_dict(ds_json, "deepspeed_config.json")
     resume = resume_point(storage_path, spec.run_name, cfg)
+    announce_start(ctx, cfg, storage_path, spec.run_name, resume, run)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     watch = AttemptWatch(cfg.max_failures, run)
@@ -349,16 +413,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     stopped = take_stop_reason(storage_path, spec.run_name)
     if stopped:
         raise NonFiniteError(stopped)
-    metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
     tail = time.perf_counter()
-    with doing("pretrain: baselines and learning curves"):
-        base, learning_files = write_learning(ctx, early_baselines.result(), (result.metrics or {}).get("history", []),
-                                              run)
-    metrics.update(base)
-    for task in ("mlm", "nsp"):  # how far above the trivial predictor the held-out accuracy is
-        baseline = metrics.get(f"baseline_{task}_accuracy")
-        if baseline and f"eval_{task}_accuracy" in metrics:
-            metrics[f"eval_{task}_over_baseline"] = metrics[f"eval_{task}_accuracy"] / baseline
+    metrics, learning_files = final_metrics(ctx, result, early_baselines.result(), run)
     metrics["seconds"] = time.time() - started
     storage.write_text_atomic(storage.join(ctx.output_uri, "metrics.json"), json.dumps(metrics, indent=2))
     registered = ctx.tracking.get("registered_model", "")
