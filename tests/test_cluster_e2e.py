@@ -404,3 +404,48 @@ def test_jobs_status_exits_with_the_jobs_state(cluster, tmp_path, enwiki_sample)
         assert time.monotonic() < deadline, status.stdout
         time.sleep(1)
     assert status.returncode == 4 and status.stdout.startswith(f"{job}: STOPPED"), status.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A resubmitted job resumes (issue 31, item 4): what the RayJob's backoffLimit does after its driver died
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_job_whose_driver_was_killed_resumes_from_its_checkpoint_when_submitted_again(cluster, tmp_path):
+    import psutil
+
+    from pretrain_helpers import make_inputs
+
+    env = cluster["env"]
+    make_inputs(tmp_path / "inputs", lengths=(32,), rows_per_shard=400, num_shards=2, heldout_rows=160)
+    (tmp_path / "inputs" / "pairs" / "_MANIFEST.json").unlink()
+    phase = ("[{max_seq_length: 32, max_predictions_per_seq: 5, global_batch_size: 16, micro_batch_size: 8,"
+             " learning_rate: 1.0e-3, warmup_steps: 2}]")
+    workdir = tmp_path / "w"
+    command = ["run", "--workdir", str(workdir), "--only", "pretrain", "--set", "mlflow.tracking_uri='off'",
+               "--set", f"pretrain.input={tmp_path / 'inputs' / 'pairs'}",
+               "--set", f"vocab.path={tmp_path / 'inputs' / 'vocab' / 'vocab.txt'}",
+               "--set", f"pretrain.phases={phase}",
+               "--set", "pretrain.max_steps=300", "--set", "pretrain.checkpoint_every_steps=20",
+               "--set", "pretrain.eval_every_steps=0"]
+    first = bertpipe("submit", "--no-wait", "--", *command, env=env, cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    deadline = time.monotonic() + 300
+    while not list((workdir / "ray_results").rglob("checkpoint_*/position.json")):
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.5)
+    drivers = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] and "run" in p.info["cmdline"]
+               and str(workdir) in p.info["cmdline"] and "submit" not in p.info["cmdline"]]
+    assert drivers, "the job's driver process was not found"
+    for p in drivers:
+        p.kill()  # the driver dies as an OOM kill or an evicted head pod would end it
+    job = re.search(r"^job:\s+(\S+)$", first.stdout, re.M).group(1)
+    while bertpipe("jobs", "status", job, env=env, cwd=tmp_path).returncode == 3:  # 3: still pending/running
+        assert time.monotonic() < deadline + 120, "the first job never ended"
+        time.sleep(1)
+    again = bertpipe("submit", "--", *command, env=env, cwd=tmp_path, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    metrics = json.loads((workdir / "pretrain" / "metrics.json").read_text())
+    assert metrics["step"] == 300 and metrics["resumed_from_step"] >= 20, metrics
+    print(f"\nresubmitted job resumed from step {metrics['resumed_from_step']:.0f}")

@@ -217,9 +217,13 @@ def test_a_torn_checkpoint_is_passed_over_for_the_previous_complete_one(tmp_path
     assert torn == [str(run / f"checkpoint_2026-11-26_{stamp}.000000") for stamp in ("10-01-00", "10-02-00")]
 
 
+SLOW = pytest.mark.slow  # about a minute each on 2 cores: the default suite keeps "right after a checkpoint"
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("point", ["before the first checkpoint", "right after a checkpoint", "during the export",
-                                   "a torn checkpoint"])
+@pytest.mark.parametrize("point", [pytest.param("before the first checkpoint", marks=SLOW), "right after a checkpoint",
+                                   pytest.param("during the export", marks=SLOW),
+                                   pytest.param("a torn checkpoint", marks=SLOW)])
 def test_kill_9_during_pretraining_resumes_from_the_last_complete_checkpoint(tmp_path, ray_tmp, point):
     args = _synthetic_pretrain(tmp_path)
     workdir = tmp_path / "w"
