@@ -180,8 +180,9 @@ def announce_start(ctx: StageContext, cfg: PretrainConfig, storage_path: str, na
         why = ("pretrain.restart" if cfg.restart else
                f"{'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} since run {previous[0]}" if changed
                else "no checkpoint of these settings yet")
-        line = f"pretrain: training starts at step 0 ({why})"
-        run.set_tags({"bertpipe.started_from": "random initialisation", "bertpipe.restarted_because": why})
+        start = f"the weights of {cfg.init}" if cfg.init else "random initialisation"
+        line = f"pretrain: training starts at step 0 from {start} ({why})"
+        run.set_tags({"bertpipe.started_from": start, "bertpipe.restarted_because": why})
     console_line(line)
     identity.record(storage_path, name, run_identity(ctx))
 
