@@ -30,6 +30,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -283,7 +284,9 @@ def cmd_submit(args) -> int:
 def _refusal(exc: Exception) -> str:
     """The line of Ray's "Request failed with status code 400: ..." that says why (its message is multi-line)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    why = next((line for line in lines if "already exists" in line or "Error" in line), lines[0] if lines else "")
+    # Ray's text holds a server-side traceback: its source lines (`raise RuntimeError(...)`) are no reason
+    why = next((line for line in lines if "already exists" in line), None) or next(
+        (line for line in lines if re.match(r"^[\w.]*(Error|Exception): ", line)), lines[0] if lines else "")
     return mask(why)
 
 

@@ -349,7 +349,9 @@ def show_instances(ctx: StageContext, shard_uri: str, tokens: list[str]) -> str:
     fs, path = storage.resolve(shard_uri)
     with fs.open_input_file(path) as f:
         head = pa.Table.from_batches([next(pq.ParquetFile(f).iter_batches(batch_size=SAMPLE_INSTANCES))])
-    text = f"{shard_uri}, its first {head.num_rows} instances:\n\n" + describe_instances(head, tokens)
+    # Named relative to the stage folder: the file's bytes are the same wherever the workdir is.
+    name = shard_uri[len(ctx.output_uri.rstrip("/")) + 1:] if shard_uri.startswith(ctx.output_uri) else shard_uri
+    text = f"{name}, its first {head.num_rows} instances:\n\n" + describe_instances(head, tokens)
     log.info("pairs: what BERT will see: %s", text)
     ctx.log_text(text, SAMPLE_FILE)
     storage.write_text_atomic(storage.join(ctx.output_uri, SAMPLE_FILE), text)

@@ -287,19 +287,28 @@ def shared_board():
     return _board()
 
 
-def _board():
-    import ray
+_BOARDS: dict[tuple[str, str], Any] = {}  # (job id, driver's node) -> the driver's board, held for its life
 
+
+def _board():
+    """The driver's board, made once per Ray job and held here: a named actor dies with its last handle, and a
+    block that dropped its handle would leave the next one a board that is being destroyed under the same name."""
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     context = ray.get_runtime_context()
-    name = f"bertpipe-progress-{context.get_job_id()}"
-    # On the head node: a worker node that dies (or an autoscaler removes) must not take the progress of the work
-    # with it. Not "the driver's node": several raylets on one host share its IP, and a driver may attach to any.
-    head = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n["Resources"]),
-                context.get_node_id())
-    where = NodeAffinitySchedulingStrategy(head, soft=True)
-    return ray.remote(num_cpus=0)(_Board).options(name=name, get_if_exists=True, scheduling_strategy=where).remote()
+    job = (context.get_job_id(), context.get_node_id())  # job ids restart at 01000000 in every new local Ray
+    if job not in _BOARDS:
+        # On the head node: a worker node that dies (or an autoscaler removes) must not take the progress of the
+        # work with it. Not "the driver's node": several raylets on one host share its IP, and a driver may attach
+        # to any.
+        head = next((n["NodeID"] for n in ray.nodes()
+                     if n.get("Alive") and "node:__internal_head__" in n["Resources"]), context.get_node_id())
+        where = NodeAffinitySchedulingStrategy(head, soft=True)
+        _BOARDS.clear()
+        _BOARDS[job] = ray.remote(num_cpus=0)(_Board).options(
+            name=f"bertpipe-progress-{job[0]}", get_if_exists=True, scheduling_strategy=where).remote()
+    return _BOARDS[job]
 
 
 @contextmanager

@@ -24,7 +24,9 @@ class MultiNodeRay:
         cmd = [sys.executable, str(HERE / "ray_rig.py"), "--head-cpus", str(self.head_cpus)]
         for cpus in self.node_cpus:
             cmd += ["--node-cpus", str(cpus)]
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+        # Ray's settings of the test process (a token another test's cluster set, an address) are not the rig's:
+        # the rig and the `bertpipe` it serves both read the user's own token, as the CLI tests run it.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env, start_new_session=True)
         started = self._answer(self.start_timeout_s)

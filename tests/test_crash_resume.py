@@ -141,6 +141,7 @@ def test_kill_9_mid_clean_then_the_same_command_commits_what_an_uninterrupted_ru
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_kill_9_mid_pairs_shard_then_the_same_command_commits_what_an_uninterrupted_run_does(committed, home,
                                                                                               tmp_path, ray_tmp):
     reference = copy_of(committed, tmp_path / "ref")

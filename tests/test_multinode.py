@@ -111,6 +111,7 @@ def test_pretrain_waits_for_the_node_a_growing_cluster_adds_then_trains(inputs, 
     assert json.loads((tmp_path / "w" / "pretrain" / "metrics.json").read_text())["step"] == 4
 
 
+@pytest.mark.slow  # the run-out arithmetic is tested on a fake clock (tests/test_capacity.py)
 def test_a_wait_that_runs_out_ends_in_the_three_lines(inputs, tmp_path):
     with MultiNodeRay(head_cpus=1) as rig:
         run = subprocess.run(pretrain_args(inputs, "--set", f"ray.address={rig.address}",

@@ -16,6 +16,7 @@ import torch
 from bertpipe.jobs.pretrain.stage import MODEL_DESCRIPTION, register
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
+from bertpipe.pipeline.tokenizer import tokenizer_files
 from conftest import REPO
 from pretrain_helpers import TOKENS
 
@@ -46,7 +47,7 @@ def _export(tmp_path, seed: int):
     model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=len(TOKENS))).eval()
     (tmp_path / "vocab.txt").write_text("\n".join(TOKENS) + "\n")
     out = tmp_path / f"export{seed}"
-    save_pretrained(model, str(out), str(tmp_path / "vocab.txt"))
+    save_pretrained(model, str(out), str(tmp_path / "vocab.txt"), tokenizer_files=tokenizer_files(True, 512))
     return out
 
 

@@ -62,6 +62,7 @@ def config(**kw):
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # ~2 minutes: four pre-training runs
 def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_again(ray_local, tmp_path, faults,
                                                                                     capsys):
     import ray.train

@@ -112,7 +112,8 @@ def test_pieces_match_hugging_face(casing, sentences, google_vocab, cased_vocab,
     lowercase, vocab = CASINGS[casing], _vocab(casing, google_vocab, cased_vocab)
     hf = _hf(vocab, lowercase, tmp_path)
     ours = bert_tokenizer(read_vocab_file(vocab), lowercase)
-    assert len(sentences) > 2000
+    # a few thousand with the shared samples (developer machines); the Wikipedia sample's alone elsewhere
+    assert len(sentences) > (2000 if _shared_sentences() else 1000)
     expected = hf(sentences, add_special_tokens=False)["input_ids"]
     got = ours.encode_batch(sentences, add_special_tokens=False)
     mismatched = [(s, e, g.ids) for s, e, g in zip(sentences, expected, got) if e != g.ids]
