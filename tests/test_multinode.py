@@ -123,6 +123,7 @@ def test_a_wait_that_runs_out_ends_in_the_three_lines(inputs, tmp_path):
     assert "pretrain: waiting for 3 CPUs" in run.stdout
 
 
+@pytest.mark.slow  # failed 2 of 7 runs under load: the progress line froze with the killed node (see the note)
 def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_nodes_left(inputs, tmp_path):
     """Two 1-CPU workers on two of three 1-CPU worker nodes (the head's CPU is for data); the node of one of them is
     killed (kill -9 of its raylet) once the first checkpoint is written. Ray Train restarts the workers on the nodes
