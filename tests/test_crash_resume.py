@@ -29,6 +29,7 @@ from bertpipe.pipeline.outputs import ForeignFilesError
 from bertpipe.pipeline.stage import BOOKKEEPING, read_manifest
 import test_faults
 from test_faults import BIN, QUIET, cli_env, copy_of, ray_processes
+from waiting import wait_until
 
 # test_faults' fixtures: the sample, clean + vocab committed once, a short RAY_TMPDIR per test
 home, committed, ray_tmp = test_faults.home, test_faults.committed, test_faults.ray_tmp
@@ -101,12 +102,9 @@ def kill_tree(proc: subprocess.Popen, ray_tmp: Path) -> None:
         time.sleep(0.2)
 
 
-def kill_when(proc: subprocess.Popen, ray_tmp: Path, appeared, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not appeared():
-        assert proc.poll() is None, f"the run ended before the kill point: {proc.communicate()[0][-3000:]}"
-        assert time.monotonic() < deadline, "the kill point was never reached"
-        time.sleep(0.05)
+def kill_when(proc: subprocess.Popen, ray_tmp: Path, appeared) -> None:
+    wait_until(appeared, "kill point", still_running=lambda: proc.poll() is None,
+               why_stopped=lambda: proc.communicate()[0][-3000:], poll_s=0.05)
     kill_tree(proc, ray_tmp)
 
 

@@ -21,6 +21,7 @@ import pytest
 from tiny_bert import save_tiny_bert
 
 from multinode import MultiNodeRay
+from waiting import wait_until
 from test_faults import BIN, QUIET, assert_closing_lines, cli_env
 
 pytestmark = pytest.mark.integration
@@ -64,15 +65,13 @@ class Watched:
         for line in stream:
             into.append(line)
 
-    def wait_for_line(self, pattern: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in self.out + self.err:
-                if re.search(pattern, line):
-                    return line
-            assert self.proc.poll() is None, self.text()
-            time.sleep(0.2)
-        raise AssertionError(f"no line matching {pattern!r} in {timeout_s:.0f} s:\n{self.text()}")
+    def wait_for_line(self, pattern: str) -> str:
+        def found():
+            return next((line for line in self.out + self.err if re.search(pattern, line)), None)
+
+        wait_until(found, f"line matching {pattern!r}", still_running=lambda: self.proc.poll() is None,
+                   why_stopped=self.text)
+        return found()
 
     def finish(self, timeout_s: float) -> int:
         code = self.proc.wait(timeout=timeout_s)
@@ -100,7 +99,7 @@ def test_pretrain_waits_for_the_node_a_growing_cluster_adds_then_trains(inputs, 
         run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}",
                                     "--set", "ray.wait_for_resources_s=150", "--set", "pretrain.max_steps=4",
                                     "--set", "pretrain.checkpoint_every_steps=100"), tmp_path)
-        first = run.wait_for_line(r"pretrain: waiting for 3 CPUs: the cluster has 1 CPUs", 120)
+        first = run.wait_for_line(r"pretrain: waiting for 3 CPUs: the cluster has 1 CPUs")
         time.sleep(20)  # an autoscaler takes its time: the wait goes on meanwhile, saying so every 10 s
         rig.add_node(4)
         code = run.finish(240)
@@ -134,10 +133,9 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
         run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}", "--set", "pretrain.max_steps=300",
                                     "--set", "pretrain.checkpoint_every_steps=10", "--set", "pretrain.max_failures=3",
                                     "--set", "pretrain.log_every_steps=2", mlflow=True), tmp_path)
-        deadline = time.monotonic() + 240
-        while not list((tmp_path / "w" / "ray_results").rglob("checkpoint_*/*")):
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.text()
-            time.sleep(0.2)
+        wait_until(lambda: list((tmp_path / "w" / "ray_results").rglob("checkpoint_*/*")), "kill point",
+                   still_running=lambda: run.proc.poll() is None,
+                   why_stopped=run.text, poll_s=0.2)
         killed = rig.kill_train_node()
         code = run.finish(300)
     console = run.text()
@@ -201,10 +199,8 @@ def test_a_glue_trial_on_a_lost_node_runs_again_elsewhere_and_is_no_task_failure
     with MultiNodeRay(head_cpus=0, node_cpus=(1, 1)) as rig:
         run = Watched([str(BIN / "bertpipe"), "run", "--workdir", "w", "--only", "finetune", *QUIET,
                        "--set", f"ray.address={rig.address}", *[a for s in sets for a in ("--set", s)]], tmp_path)
-        deadline = time.monotonic() + 180
-        while not rig.busy_nodes():
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.text()
-            time.sleep(0.5)
+        wait_until(lambda: rig.busy_nodes(), "kill point", still_running=lambda: run.proc.poll() is None,
+                   why_stopped=run.text, poll_s=0.5)
         time.sleep(3)  # the trial is training
         assert run.proc.poll() is None, "the trial ended before its node could be killed: " + run.text()
         rig.kill_busy_node()
@@ -221,10 +217,9 @@ def test_losing_more_nodes_than_max_failures_ends_in_the_three_lines_with_the_re
         run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}", "--set", "pretrain.max_steps=300",
                                     "--set", "pretrain.checkpoint_every_steps=10", "--set", "pretrain.max_failures=0"),
                       tmp_path)
-        deadline = time.monotonic() + 240
-        while not list((tmp_path / "w" / "ray_results").rglob("checkpoint_*/*")):
-            assert run.proc.poll() is None and time.monotonic() < deadline, run.text()
-            time.sleep(0.2)
+        wait_until(lambda: list((tmp_path / "w" / "ray_results").rglob("checkpoint_*/*")), "kill point",
+                   still_running=lambda: run.proc.poll() is None,
+                   why_stopped=run.text, poll_s=0.2)
         rig.kill_train_node()
         code = run.finish(300)
     assert code == 1, run.text()
