@@ -329,15 +329,20 @@ def remote_progress(desc: str, total: float | None, unit: str,
     stop = threading.Event()
 
     def poll() -> None:
+        count, fields = 0.0, {}
         while not stop.wait(POLL_S):
             try:
                 count, fields = ray.get(board.read.remote(key), timeout=10)
-                if watch is not None:
-                    fields = {**fields, **watch(count, fields)}
             except Exception as exc:  # noqa: BLE001 - a slow poll must never break the work it watches
                 log.info("%s: progress poll failed: %s: %s", desc, type(exc).__name__, exc)
-                continue
-            shown.set(count, **fields)
+            # The watch runs on the last counts when a read fails: a lost node is told even if the board is slow.
+            extra = {}
+            if watch is not None:
+                try:
+                    extra = watch(count, fields)
+                except Exception:  # noqa: BLE001
+                    log.info("%s: the progress watch failed", desc, exc_info=True)
+            shown.set(count, **{**fields, **extra})
 
     thread = threading.Thread(target=poll, name=f"progress-{desc}", daemon=True)
     thread.start()

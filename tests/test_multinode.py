@@ -139,9 +139,10 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
         killed = rig.kill_train_node()
         code = run.finish(300)
     console = run.text()
+    log_file = next((tmp_path / "w" / "logs").glob("run-*.log")).read_text()
     assert code == 0, console
     told = [line for line in console.splitlines() if "; restarted from" in line]
-    assert len(told) == 1, console
+    assert len(told) == 1, f"{console}\n--- the run's log ---\n{log_file}"
     # meanwhile the progress line said so, without the old attempt's ETA
     restarting = [line for line in console.splitlines() if "was lost at step" in line and "restarting the" in line]
     assert all("ETA" not in line for line in restarting), restarting
@@ -162,7 +163,6 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
     series = client.get_metric_history(restarted[0].info.run_id, "train/restarts")
     assert [(p.value, p.step) for p in series] == [(1.0, resumed)]
     # the figures of the closing note: from the kill to the first step after the resume, and the steps redone
-    log_file = next((tmp_path / "w" / "logs").glob("run-*.log")).read_text()
     told_at = first = None
     for line in log_file.splitlines():
         stamp = re.match(r"(\S+ \S+),(\d+) ", line)
