@@ -26,7 +26,7 @@ from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_u
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.glue.report import as_fractions
 from bertpipe.pipeline import outputs, parts, progress, storage
-from bertpipe.jobs.interrupts import describe as describe_interrupt, reinstall as reinstall_interrupts
+from bertpipe.jobs.interrupts import interrupt_text, reinstall as reinstall_interrupts
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.identity import describe_tree
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -460,7 +460,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
     except BaseException as exc:
         ending.begin()
         if isinstance(exc, KeyboardInterrupt):  # a signal: the run is KILLED, and the CLI says in which stage
-            run.kill(f"{describe_interrupt(exc)} while stage {stage.name} ran")
+            run.kill(f"{interrupt_text(exc)} while stage {stage.name} ran")
             exc.stage = stage.name
             raise
         run.fail(exc, traceback.format_exc())

@@ -3,7 +3,7 @@ No Ray, no DeepSpeed, no I/O beyond checkpoint files."""
 
 from bertpipe.model.bert import (BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
                         BertForTokenClassification, BertModel, PreTrainingOutput)
-from bertpipe.model.checkpoint import hf_state_dict, load_google_tf_arrays, load_pretrained, save_pretrained
+from bertpipe.model.hf_format import hf_state_dict, load_google_tf_arrays, load_pretrained, save_pretrained
 from bertpipe.model.config import PRESETS, BertConfig
 
 __all__ = ["BertConfig", "PRESETS", "BertModel", "BertForPreTraining", "PreTrainingOutput",

@@ -6,7 +6,7 @@ V vocabulary size (config.vocab_size), Vp padded vocabulary rows, P masked-posit
 
 Where this differs from the paper / the original TensorFlow code, on purpose:
 - Query, key and value are one fused H→3H linear (one matmul instead of three). The weights are the same
-  numbers: checkpoint.py splits and joins them under the usual query/key/value names.
+  numbers: hf_format.py splits and joins them under the usual query/key/value names.
 - Attention is torch's `scaled_dot_product_attention` (flash / memory-efficient kernels where available)
   with an additive padding mask; the math is the paper's, the attention matrix is never materialised.
 - The token embedding has `config.padded_vocab_size` rows (vocabulary rounded up to a multiple of 8, for

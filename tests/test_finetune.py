@@ -19,7 +19,7 @@ from bertpipe.jobs.glue.stage import run_stage
 from bertpipe.jobs.glue.trial import GlueTask, collate, encode
 from bertpipe.jobs.tuning.fanout import trial_seed
 from bertpipe.pipeline.tokenizer import load_tokenizer
-from bertpipe.jobs.tuning.loop import make_optimizer, run_trial
+from bertpipe.jobs.tuning.loop import optimizer_and_schedule, run_trial
 from bertpipe.jobs.glue.sample import sample_files, write_sample
 from bertpipe.jobs.glue.tasks import TASKS, read_task
 from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError
@@ -302,7 +302,7 @@ def test_trial_first_update_leaves_the_weights_unchanged(tiny_model, sample_dir)
     data = read_task(str(sample_dir), TASKS["STS-B"])
     recipe = FinetuneConfig(batch_size=4, num_epochs=2, warmup_proportion=0.25)
     model = GlueTask(data).build_model(str(tiny_model), None)
-    optimizer, scheduler, total = make_optimizer(model, recipe, 1e-3, len(data.train))
+    optimizer, scheduler, total = optimizer_and_schedule(model, recipe, 1e-3, len(data.train))
     warmup = int(total * 0.25)
     assert warmup >= 2 and scheduler.get_last_lr() == [0.0, 0.0]
     before = [q.detach().clone() for q in model.parameters()]

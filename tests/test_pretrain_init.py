@@ -24,7 +24,7 @@ from bertpipe.jobs.configtools import ConfigError
 from bertpipe.jobs.pretrain.config import FROM_INIT, ModelConfig
 from bertpipe.jobs.pretrain.init import heads_line, missing_heads
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
-from bertpipe.model.checkpoint import hf_state_dict
+from bertpipe.model.hf_format import hf_state_dict
 from bertpipe.pipeline.stage import StageInputError, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]

@@ -43,7 +43,7 @@ def model_folders(model: str, tasks: list[str]) -> dict[str, str]:
     return found
 
 
-def check_head(model_dir: str, spec: TaskSpec) -> None:
+def check_classifier_head(model_dir: str, spec: TaskSpec) -> None:
     """ValueError unless config.json describes a sequence classifier with the task's labels."""
     config = json.loads(Path(model_dir, "config.json").read_text())
     labels = list(config.get("id2label", {}).values())
@@ -54,7 +54,7 @@ def check_head(model_dir: str, spec: TaskSpec) -> None:
                          f"with labels {want}): its head would be random")
 
 
-def predict(model: str, glue_dir: str, out: str, tasks: list[str], recipe: FinetuneConfig) -> dict:
+def score_and_predict_tasks(model: str, glue_dir: str, out: str, tasks: list[str], recipe: FinetuneConfig) -> dict:
     """Score and predict every task; writes the files (module doc) and returns dev_scores.json's content."""
     from bertpipe.jobs.glue.metrics import glue_score  # scipy, torch: not at the CLI's start
     from bertpipe.jobs.glue.report import write_submission_files
@@ -65,7 +65,7 @@ def predict(model: str, glue_dir: str, out: str, tasks: list[str], recipe: Finet
 
     folders = model_folders(model, tasks)
     for task, folder in folders.items():
-        check_head(folder, TASKS[task])
+        check_classifier_head(folder, TASKS[task])
     glue_dir = glue_dir or write_sample(storage.join(out, "smoke_glue"))
     absent = [t for t in folders if not task_present(glue_dir, TASKS[t])]
     if absent:
@@ -90,7 +90,7 @@ def predict(model: str, glue_dir: str, out: str, tasks: list[str], recipe: Finet
 def cmd_glue_predict(args) -> int:
     recipe = FinetuneConfig(eval_batch_size=args.eval_batch_size, max_seq_length=args.max_seq_length,
                             gpus_per_trial=1.0 if args.device == "cuda" else 0.0)
-    result = predict(args.model, args.glue_data_dir, args.out, list(args.task or []), recipe)
+    result = score_and_predict_tasks(args.model, args.glue_data_dir, args.out, list(args.task or []), recipe)
     for task, s in result["tasks"].items():
         dev = "  ".join(f"{name}.{m} {100 * v:.2f}" for name, ms in s["dev"].items() for m, v in ms.items())
         print(f"{task:<6} score {100 * s['score']:6.2f}  {dev}  test: {', '.join(s['test_sets']) or '-'}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig, bert_config
 
-EVAL_BATCH = 32  # loop.evaluate's batch size
+EVAL_BATCH = 32  # loop.evaluate_heldout's batch size
 FIXED_SAVE_S = 0.1  # a checkpoint's bookkeeping (Ray Train's report) before one was measured: 0.0-0.1 s measured
 ASSUMED_BYTES_S = 200e6  # storage speed assumed for a checkpoint before one was measured
 STEADY_STEPS = 3  # steps of a phase before its own step time prices its remaining steps

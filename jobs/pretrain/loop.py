@@ -177,7 +177,7 @@ def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, s
         dist_init_required=False, lr_scheduler=lambda opt: make_scheduler(cfg, opt))
     if cfg.optimizer == "lamb":
         attach_lamb_layouts(engine)  # DeepSpeed now holds flat partitions: one trust ratio per parameter still
-    zero_fast_paths.install(engine)
+    zero_fast_paths.install_fast_paths(engine)
     if compile_enabled(cfg):
         engine.compile()  # lazy: the first forward of each new shape compiles (train_step says so)
     return engine, scheduler
@@ -352,7 +352,7 @@ def _open_epoch(w: Worker, phase_index: int, epoch: int) -> None:
     log.info("rank %d: training stream phase %d epoch %d opened in %.1f s", w.rank, phase_index, epoch, opened)
 
 
-def evaluate(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict[str, float]:
+def evaluate_heldout(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict[str, float]:
     """Held-out MLM/NSP accuracy with a fixed masking seed, summed over all workers (every rank runs the same
     number of forwards: ZeRO-3 gathers parameters collectively)."""
     batches = heldout_batches(w, phase)
@@ -445,7 +445,7 @@ def after_step(w: Worker, meter: Meter, position: Position, phase_end: int, last
     if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.max_steps:
         w.doing(f"evaluating on held-out data (seq {phase.max_seq_length})")
         started = time.perf_counter()
-        held_out = evaluate(w, phase)
+        held_out = evaluate_heldout(w, phase)
         w.clock.eval_s[position.phase] = took = time.perf_counter() - started
         w.excluded += took
         meter.pause(took)  # keep evaluation time out of throughput
@@ -581,7 +581,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     w.doing(f"final held-out evaluation (seq {final_phase.max_seq_length})")
     started = time.perf_counter()
     final = {"step": position.step, "resumed_from_step": resumed_from, **last,
-             **evaluate(w, final_phase, training_masks=False)}
+             **evaluate_heldout(w, final_phase, training_masks=False)}
     log.info("rank %d: final evaluation took %.1f s", w.rank, time.perf_counter() - started)
     if spec.pretrain.optimizer == "lamb":  # flat tensors with a per-parameter layout: a test proves LAMB is per layer
         final["lamb_layouts"] = mapped_layouts(w.engine)

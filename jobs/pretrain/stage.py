@@ -332,7 +332,8 @@ def register(run: RunLogger, export_uri: str, registered_name: str, version_desc
 def final_baselines(ctx: StageContext, cfg: PretrainConfig, tokens: list[str]) -> dict:
     """The trivial predictors' held-out accuracy at the final evaluation's length (the phase it reads), with the
     plotting library loaded: run on the driver while the workers train, so that the stage's tail is short."""
-    from bertpipe.jobs.pretrain.learning import baselines, warm_plotting
+    from bertpipe.jobs.pretrain.baselines import baselines
+    from bertpipe.jobs.pretrain.curves import warm_plotting
     from bertpipe.jobs.pretrain.masking import MaskingSpec
     from bertpipe.pipeline.shards import list_shards
 
@@ -351,7 +352,7 @@ def write_learning(ctx: StageContext, base: dict, history: list[dict],
     """The baselines of the final held-out evaluation (`final_baselines`), and the loss/accuracy curves, written
     beside the export and logged to MLflow; returns the baselines and the files written (relative to the stage
     folder)."""
-    from bertpipe.jobs.pretrain.learning import curve_pngs
+    from bertpipe.jobs.pretrain.curves import curve_pngs
 
     files = {"baselines.json": json.dumps(base, indent=2).encode(),
              "history.json": json.dumps(history, indent=1).encode(), **curve_pngs(history, base)}

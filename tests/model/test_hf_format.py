@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from bertpipe.model import (BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel, hf_state_dict,
                    load_pretrained, save_pretrained)
 from bertpipe.model.bert import BertForQuestionAnswering, BertForTokenClassification
-from bertpipe.model.checkpoint import load_google_tf_arrays
+from bertpipe.model.hf_format import load_google_tf_arrays
 
 transformers = pytest.importorskip("transformers")
 
