@@ -263,7 +263,7 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir, tmp_pat
     losses = []
     for step in range(7):
         b = collate(enc, [(7 * step + j) % len(enc.ids) for j in range(7)])
-        pair = (ours(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"])[0],
+        pair = (ours(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"]).loss,
                 hf(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
                    labels=b["labels"]).loss)
         for (model, opt, sched), loss in zip(sides, pair):
@@ -307,7 +307,7 @@ def test_trial_first_update_leaves_the_weights_unchanged(tiny_model, sample_dir)
     assert warmup >= 2 and scheduler.get_last_lr() == [0.0, 0.0]
     before = [q.detach().clone() for q in model.parameters()]
     b = collate(encode(load_tokenizer(tiny_model, 128), data.train), range(4))
-    model(**b)[0].backward()
+    model(**b).loss.backward()
     optimizer.step()
     assert all(torch.equal(x, q) for x, q in zip(before, model.parameters()))
     for _ in range(warmup):
@@ -346,7 +346,7 @@ def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sa
                  model.dropout.p}
         b = collate(encode(load_tokenizer(tmp_path / "export", 128), data.train), range(8))
         model.train()
-        a, c = (model(b["input_ids"], b["token_type_ids"], b["attention_mask"])[1] for _ in range(2))
+        a, c = (model(b["input_ids"], b["token_type_ids"], b["attention_mask"]).logits for _ in range(2))
         return rates, not torch.equal(a, c)
 
     assert noisy_in_training(None) == ({0.0}, False)

@@ -37,8 +37,8 @@ def logits_of(model, feats: Features, batch_size: int, device: str) -> tuple[lis
     order = length_order(feats.input_ids)
     for k in range(0, len(order), batch_size):
         rows = order[k:k + batch_size]
-        _, s, e = model(**_inputs(feats, rows, device))
-        s, e = s.float().cpu().numpy(), e.float().cpu().numpy()
+        out = model(**_inputs(feats, rows, device))
+        s, e = out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
         for j, r in enumerate(rows):
             n = len(feats.input_ids[r])
             starts[r], ends[r] = s[j, :n], e[j, :n]

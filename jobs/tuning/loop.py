@@ -147,7 +147,7 @@ def train_epoch(model: torch.nn.Module, task: TrialTask, rows: Sized, opt, sched
     count = 0
     for start in range(0, len(order), recipe.batch_size):
         with autocast(recipe):
-            loss = model(**task.batch(rows, order[start:start + recipe.batch_size], recipe.device))[0]
+            loss = model(**task.batch(rows, order[start:start + recipe.batch_size], recipe.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
