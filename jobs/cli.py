@@ -204,6 +204,9 @@ def cmd_run(args) -> int:
     from bertpipe.pipeline import workdir_lock
 
     cfg = _config(args)
+    # Renamed stages under their new names (warned once, here), so the commands printed later use them too.
+    args.only = [",".join(workflow.current_stage_names(part.split(","))) for part in args.only or []] or None
+    args.start = workflow.current_stage_names([args.start])[0] if args.start else None
     only = [s for part in (args.only or []) for s in part.split(",") if s]
     selected = workflow.select(only or None, args.start)
     # One run per workdir, from before the first byte is written (the log file) until the process ends: a second

@@ -31,9 +31,9 @@ from made_run import REPO, clean_env
 
 pytestmark = pytest.mark.integration
 
-STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
+STAGES = ["clean", "vocab", "pairs", "pretrain", "glue"]
 UNITS = {"clean": "documents", "vocab": "vocabulary entries", "pairs": "instances", "pretrain": "steps",
-         "finetune": "trials"}
+         "glue": "trials"}
 MAX_LINES, MAX_SILENCE_S = 80, 15.0
 
 
@@ -109,7 +109,7 @@ def test_the_end_says_where_everything_is_and_what_to_do_next(run_ok):
     command = shlex.split(nxt.split("on real GLUE: ", 1)[1].split("  (")[0])
     assert command[0] == ".venv/bin/bertpipe" and (clone / command[0]).is_file(), nxt
     args = build_parser().parse_args(command[1:])
-    assert args.command == "run" and "finetune.glue_data_dir=GLUE_DIR" in args.overrides
+    assert args.command == "run" and "glue.glue_data_dir=GLUE_DIR" in args.overrides
 
 
 # -- item 1: the README's follow-up commands, in a clean shell ----------------------------------------------------
@@ -201,7 +201,7 @@ def test_readme_follow_up_commands_work_in_a_clean_shell(run_ok):
     done = subprocess.run(["bash", "-e", "-c", "\n".join(script)], cwd=clone, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    states = re.findall(r"^(clean|vocab|pairs|pretrain|finetune) +(\w+)", done.stdout, re.M)
+    states = re.findall(r"^(clean|vocab|pairs|pretrain|glue) +(\w+)", done.stdout, re.M)
     # make status, then bertpipe status: every stage fresh, twice
     assert states == [(s, "fresh") for s in STAGES] * 2, done.stdout
 
