@@ -265,4 +265,4 @@ def test_kill_9_mid_fan_out_reuses_the_finished_trials(tmp_path, ray_tmp):
     assert kept and int(kept.group(1)) == finished, done.stdout
     manifest = read_manifest(str(tmp_path / "w" / "glue"))
     assert {t: v["status"] for t, v in manifest["extra"]["tasks"].items()} == {"SST-2": "ok", "MRPC": "ok"}
-    print(f"\nfinetune killed after {finished} finished trial(s); rerun reused them and finished in {seconds:.1f} s")
+    print(f"\nglue stage killed after {finished} finished trial(s); rerun reused them and finished in {seconds:.1f} s")
