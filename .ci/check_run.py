@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
+STAGES = ["clean", "vocab", "pairs", "pretrain", "glue"]
 
 
 def fail(msg: str) -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     states = {r["stage"]: r["state"] for r in json.loads(status.stdout)}
     if states != dict.fromkeys(STAGES, "fresh"):
         fail(f"stages not all fresh after make run: {states}")
-    report = REPO / "work/tiny/finetune/summary.md"
+    report = REPO / "work/tiny/glue/summary.md"
     if not report.is_file() or "GLUE score" not in report.read_text():
         fail(f"no GLUE report at {report}")
     started = time.time()

@@ -7,7 +7,7 @@ binning window 8, dynamic masking, pinned host memory and a non-blocking copy wh
 - stages: shard rows already in memory → length binning → masking/collate → host-to-device copy, each timed alone
   on one thread (the training process's share of the work);
 - end to end: Ray Data (read_parquet → streaming_split → iter_batches with the loop's prefetch and local
-  shuffle), then binning, collate and copy, as `loop.epoch_batches` + `run_epoch` do, on a local Ray of `--cpus`.
+  shuffle), then binning, collate and copy, as `streams.epoch_batches` + `run_epoch` do, on a local Ray of `--cpus`.
 
 The target (issue 23): ≥ 3,000 sequences/s at seq 128 per worker. An H100 trains BERT-Large at ~1,440 seq/s.
 Shards are synthetic at BERT's vocabulary size; rows are L/2 … L-3 tokens long (more padding work than real
@@ -44,7 +44,7 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
     import numpy as np
     import torch
 
-    from bertpipe.jobs.pretrain import loop
+    from bertpipe.jobs.pretrain import worker
     from bertpipe.jobs.pretrain.length_binning import length_binned
     from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
 
@@ -56,7 +56,7 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
     t_bin = time.perf_counter() - started
     t_collate, batches = timed(lambda ib: collate(ib[1], spec, batch_rng(1, 0, 0, 0, ib[0])), enumerate(binned))
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    t_copy, _ = timed(lambda b: loop.to_device(b, device), batches)
+    t_copy, _ = timed(lambda b: worker.to_device(b, device), batches)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return {"length binning": n / t_bin, "masking + collate": n / t_collate,
@@ -68,7 +68,7 @@ def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
     import numpy as np
     import torch
 
-    from bertpipe.jobs.pretrain import loop
+    from bertpipe.jobs.pretrain import worker
     from bertpipe.jobs.pretrain.length_binning import length_binned
     from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
     from bertpipe.pipeline.ray_reads import read_parquet
@@ -84,7 +84,7 @@ def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
         if started is None:  # from the first batch on: Ray Data's start-up is not the steady rate
             started = time.perf_counter()
             continue
-        loop.to_device(collate(raw, spec, batch_rng(1, 0, 0, 0, i)), device)
+        worker.to_device(collate(raw, spec, batch_rng(1, 0, 0, 0, i)), device)
         n += len(raw["next_sentence_label"])
     return n / (time.perf_counter() - started)
 

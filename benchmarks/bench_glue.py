@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bertpipe.jobs.glue.config import FinetuneConfig  # noqa: E402
+from bertpipe.jobs.glue.config import GlueConfig  # noqa: E402
 from bertpipe.jobs.glue.metrics import compute_metrics, task_score  # noqa: E402
 from bertpipe.jobs.glue.tasks import TASKS, TaskData, read_task  # noqa: E402
 from bertpipe.jobs.glue.trial import GlueTask  # noqa: E402
@@ -70,7 +70,7 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_ours(model: Path, data: TaskData, recipe: FinetuneConfig, lr: float, seed: int) -> tuple[float, float]:
+def run_ours(model: Path, data: TaskData, recipe: GlueConfig, lr: float, seed: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     r = run_trial(model, GlueTask(data), lr, seed, recipe)
     return r.score, time.perf_counter() - t0
@@ -84,7 +84,7 @@ def hf_data_seed(seed: int) -> int:
     return 1_000_003 * seed
 
 
-def hf_training_args(recipe: FinetuneConfig, lr: float, seed: int, output_dir: str, warmup_steps: int,
+def hf_training_args(recipe: GlueConfig, lr: float, seed: int, output_dir: str, warmup_steps: int,
                      shared_orders: bool = False):
     """The Trainer's arguments for the trial (`lr`, `seed`): our recipe's hyper-parameters, with independent data
     orders (`shared_orders`: the Trainer's default data seed instead, for the control run)."""
@@ -100,7 +100,7 @@ def hf_training_args(recipe: FinetuneConfig, lr: float, seed: int, output_dir: s
         dataloader_num_workers=0, disable_tqdm=True)
 
 
-def run_hf(model: Path, data: TaskData, recipe: FinetuneConfig, lr: float, seed: int,
+def run_hf(model: Path, data: TaskData, recipe: GlueConfig, lr: float, seed: int,
            shared_orders: bool = False) -> tuple[float, float]:
     import math
 
@@ -138,7 +138,7 @@ def run_hf(model: Path, data: TaskData, recipe: FinetuneConfig, lr: float, seed:
     return task_score(metrics), time.perf_counter() - t0
 
 
-def fanout(model: Path, data: TaskData, recipe: FinetuneConfig, seed: int, concurrency: int) -> float:
+def fanout(model: Path, data: TaskData, recipe: GlueConfig, seed: int, concurrency: int) -> float:
     """Wall time of 4 trials (4 learning rates) on a 2-CPU local Ray, `concurrency` at a time, 1 CPU each."""
     from bertpipe.jobs.tracking import RunLogger
     from bertpipe.jobs.tuning.fanout import Trial, run_all
@@ -156,7 +156,7 @@ def fanout(model: Path, data: TaskData, recipe: FinetuneConfig, seed: int, concu
             trials.append(Trial(data.spec.name, lr, seed, seed, RunLogger(None), part, "bench",
                                 storage.join(stage_uri, *part.split("/"), "model")))
         t0 = time.perf_counter()
-        run_all("finetune", trials, {data.spec.name: task}, files, cfg, stage_uri)
+        run_all("glue", trials, {data.spec.name: task}, files, cfg, stage_uri)
         wall = time.perf_counter() - t0
     assert not any(isinstance(t.result, BaseException) for t in trials), [t.result for t in trials]
     return wall
@@ -186,7 +186,7 @@ SIDES = (("ours", run_ours), ("hf", run_hf))
 CONTROL = (("hf", partial(run_hf, shared_orders=True)),)  # --hf-shared-orders: the Trainer alone, its default seeding
 
 
-def run_task(model: Path, data: TaskData, recipe: FinetuneConfig, lr: float, seeds: list[int],
+def run_task(model: Path, data: TaskData, recipe: GlueConfig, lr: float, seeds: list[int],
              runners=SIDES) -> dict[str, tuple[list, list, list]]:
     """Each side once per seed, alternating so that a busy spell on the machine hits both: side → (scores, wall
     s, CPU s)."""
@@ -230,7 +230,7 @@ def main() -> None:
         sys.exit(f"real GLUE data not found at {GLUE}")
     model = minilm_dir()
     seeds = list(range(1, args.num_seeds + 1)) if args.num_seeds else [int(s) for s in args.seeds.split(",")]
-    recipe = FinetuneConfig(num_epochs=args.epochs, cpus_per_trial=args.threads, eval_each_epoch=False,
+    recipe = GlueConfig(num_epochs=args.epochs, cpus_per_trial=args.threads, eval_each_epoch=False,
                             max_seq_length=args.max_seq_length, batch_size=args.batch_size)
     print(f"model {model}\n{args.train} train examples (subsample seed {args.subsample_seed}), {args.epochs} epoch(s), "
           f"lr {args.lr}, batch {args.batch_size}, seq {args.max_seq_length}, seeds {seeds}, {args.threads} torch "

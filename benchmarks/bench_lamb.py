@@ -55,7 +55,7 @@ def engine_for(optimizer_name: str, preset: str, micro: int):
     from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
     from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
     from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
-    from bertpipe.jobs.pretrain.loop import skip_inference_comm_op
+    from bertpipe.jobs.pretrain.engine import skip_inference_comm_op
     from bertpipe.model import BertConfig, BertForPreTraining
 
     torch.manual_seed(0)

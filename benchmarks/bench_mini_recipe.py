@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from bertpipe.jobs.pretrain.learning import baselines
+from bertpipe.jobs.pretrain.baselines import baselines
 from bertpipe.jobs.pretrain.masking import MaskingSpec, collate
 from bertpipe.model import BertForPreTraining
 from bertpipe.model.config import BertConfig

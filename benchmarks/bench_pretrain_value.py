@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bertpipe.jobs.glue.config import FinetuneConfig  # noqa: E402
+from bertpipe.jobs.glue.config import GlueConfig  # noqa: E402
 from bertpipe.jobs.glue.tasks import TASKS, read_task  # noqa: E402
 from bertpipe.jobs.glue.trial import GlueTask  # noqa: E402
 from bertpipe.jobs.tuning.loop import run_trial  # noqa: E402
@@ -70,7 +70,7 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 def run_all(args, exports: dict[str, Path]) -> dict[str, dict[str, list[float]]]:
     """{task: {arm: [dev score x100 per seed]}}; prints one line per trial."""
-    recipe = FinetuneConfig(batch_size=args.batch_size, num_epochs=args.epochs, max_seq_length=args.max_seq_length,
+    recipe = GlueConfig(batch_size=args.batch_size, num_epochs=args.epochs, max_seq_length=args.max_seq_length,
                             max_train_examples=args.train_examples, cpus_per_trial=args.threads, dropout=args.dropout)
     scores: dict[str, dict[str, list[float]]] = {}
     first = next(iter(exports.values()))

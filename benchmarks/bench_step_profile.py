@@ -15,7 +15,7 @@ once on another (the reference), and compare:
     PYTHONPATH=/tmp/refpkg python benchmarks/bench_step_profile.py --label reference --json /tmp/ref.json
     python benchmarks/bench_step_profile.py --compare /tmp/ref.json   # both side by side, with ratios
 
-The reference code path (before `loop.build_engine` existed) is rebuilt here line for line from 3c5261c's
+The reference code path (before `build_engine` existed, now engine.py's) is rebuilt here line for line from 3c5261c's
 `loop.setup`, `Meter.add` and the progress line's `out.loss.item()`.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def build(zero: int, optimizer: str, precision: str):
                                              global_batch_size=MICRO * ACCUM, micro_batch_size=MICRO),))
     model = ModelConfig(preset="mini", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     vocab = eh.h.SPECIALS + [f"w{i}" for i in range(8192 - len(eh.h.SPECIALS))]
-    if hasattr(loop, "build_engine"):
+    if _current():
         return eh.worker(cfg, model=model, vocab=vocab, precision=precision), True
     import deepspeed
 
@@ -73,15 +73,26 @@ def build(zero: int, optimizer: str, precision: str):
     return loop.Worker(spec, engine, scheduler, 0, 1, torch.device("cpu"), RunLogger({}, enabled=False)), False
 
 
+def _current() -> bool:
+    """The code under test has the engine apart from the loop (engine.py): the current code path, not 3c5261c's."""
+    import importlib.util
+
+    return importlib.util.find_spec("bertpipe.jobs.pretrain.engine") is not None
+
+
 def micro_step(w, meter, raw, index, new_api, boundary_timer):
     """What loop.run_epoch does for one micro-batch, with engine.step() at a boundary timed apart."""
-    from bertpipe.jobs.pretrain import loop
+    from bertpipe.jobs.pretrain.masking import batch_rng, collate
 
-    spec = loop.masking_spec(w, w.spec.pretrain.phases[0])
-    batch = loop.collate(raw, spec, loop.batch_rng(1, 0, 0, 0, index))
+    if _current():
+        from bertpipe.jobs.pretrain import worker as helpers
+    else:  # the reference commit kept the batch helpers in loop.py
+        from bertpipe.jobs.pretrain import loop as helpers
+    spec = helpers.masking_spec(w, w.spec.pretrain.phases[0])
+    batch = collate(raw, spec, batch_rng(1, 0, 0, 0, index))
     if new_api:
-        batch = loop.to_device(batch, w.device)
-    out = loop.forward(w, batch)
+        batch = helpers.to_device(batch, w.device)
+    out = helpers.forward(w, batch)
     w.engine.backward(out.loss)
     boundary = w.engine.is_gradient_accumulation_boundary()
     with boundary_timer(boundary):

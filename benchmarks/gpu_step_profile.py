@@ -1,4 +1,4 @@
-"""Where a pre-training step's time goes on a GPU: the product's engine (loop.build_engine: DeepSpeed bf16, ZeRO,
+"""Where a pre-training step's time goes on a GPU: the product's engine (engine.build_engine: DeepSpeed bf16, ZeRO,
 torch fused AdamW or our LAMB, engine.compile()) driven the way loop.run_epoch drives it (collate → pinned copy →
 forward/backward/step → Meter), one rank, no Ray, no data loading. Per configuration it prints sequences/s (no
 profiler), then from a torch.profiler trace per optimizer step: host (CPU) milliseconds, GPU busy milliseconds
@@ -30,8 +30,10 @@ def build(zero: int, optimizer: str, micro: int, accum: int, seq: int, preset: s
     import torch
 
     import pretrain_helpers as h
-    from bertpipe.jobs.pretrain import loop
     from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
+    from bertpipe.jobs.pretrain.engine import build_engine
+    from bertpipe.jobs.pretrain.worker import Worker
+    from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
     from bertpipe.jobs.tracking import RunLogger
 
     gpu = device == "cuda"
@@ -42,10 +44,10 @@ def build(zero: int, optimizer: str, micro: int, accum: int, seq: int, preset: s
                                              learning_rate=1e-4, warmup_steps=10),))
     model = ModelConfig(preset=preset)
     vocab = h.SPECIALS + [f"w{i}" for i in range(30_522 - len(h.SPECIALS))]
-    engine, scheduler = loop.build_engine(cfg, model, len(vocab), 7, 1)
-    spec = loop.WorkerSpec(pretrain=cfg, model=model, seed=7, vocab_tokens=vocab, vocab_bytes=b"", tracking={},
+    engine, scheduler = build_engine(cfg, model, len(vocab), 7, 1)
+    spec = WorkerSpec(pretrain=cfg, model=model, seed=7, vocab_tokens=vocab, vocab_bytes=b"", tracking={},
                            export_uri="", storage_path="", run_name="gpu-profile")
-    w = loop.Worker(spec, engine, scheduler, 0, 1, torch.device(device), RunLogger({}, enabled=False))
+    w = Worker(spec, engine, scheduler, 0, 1, torch.device(device), RunLogger({}, enabled=False))
     engine.set_train_micro_batch_size(micro)
     engine.set_train_batch_size(micro * accum)
     return w
@@ -56,11 +58,12 @@ def micro_step(w, meter, raw, index):
     import time as _t
 
     from bertpipe.jobs.pretrain import loop
+    from bertpipe.jobs.pretrain.masking import batch_rng, collate
+    from bertpipe.jobs.pretrain.worker import masking_spec, to_device
 
     started = _t.perf_counter()
     phase = w.spec.pretrain.phases[0]
-    batch = loop.to_device(loop.collate(raw, loop.masking_spec(w, phase), loop.batch_rng(1, 0, 0, 0, index)),
-                           w.device)
+    batch = to_device(collate(raw, masking_spec(w, phase), batch_rng(1, 0, 0, 0, index)), w.device)
     before = w.engine.global_steps
     out = loop.train_step(w, batch, index)
     meter.add(out, batch["attention_mask"], _t.perf_counter() - started)

@@ -204,6 +204,9 @@ def cmd_run(args) -> int:
     from bertpipe.pipeline import workdir_lock
 
     cfg = _config(args)
+    # Renamed stages under their new names (warned once, here), so the commands printed later use them too.
+    args.only = [",".join(workflow.current_stage_names(part.split(","))) for part in args.only or []] or None
+    args.start = workflow.current_stage_names([args.start])[0] if args.start else None
     only = [s for part in (args.only or []) for s in part.split(",") if s]
     selected = workflow.select(only or None, args.start)
     # One run per workdir, from before the first byte is written (the log file) until the process ends: a second
@@ -254,8 +257,8 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
         return 2 if isinstance(exc.cause, (ConfigError, StageInputError)) else 1
     except KeyboardInterrupt as exc:  # SIGINT, SIGTERM, SIGHUP (jobs/interrupts.py): cleaned up on the way here
         stage = getattr(exc, "stage", None)
-        logging.getLogger("bertpipe").info("run stopped: %s", interrupts.describe(exc), exc_info=exc)
-        finish(f"{f'stage {stage}' if stage else 'run'} {interrupts.describe(exc)}", stage, fix=False)
+        logging.getLogger("bertpipe").info("run stopped: %s", interrupts.interrupt_text(exc), exc_info=exc)
+        finish(f"{f'stage {stage}' if stage else 'run'} {interrupts.interrupt_text(exc)}", stage, fix=False)
         return interrupts.exit_code(exc)
     except (ConfigError, StageInputError):
         raise  # bad input found by the workflow itself: one line (main)
@@ -418,7 +421,7 @@ def _dispatch(argv: list[str] | None) -> int:
         print(f"bertpipe: error: {redact.mask(_with_config(_first_line(exc), args))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # before the run had a log file (preflight, the lock): one line
-        print(f"bertpipe: {interrupts.describe(exc)}", file=sys.stderr)
+        print(f"bertpipe: {interrupts.interrupt_text(exc)}", file=sys.stderr)
         return interrupts.exit_code(exc)
     except BrokenPipeError:
         raise  # main: a closed stdout ends quietly

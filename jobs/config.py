@@ -4,13 +4,14 @@ Resolution order: dataclass defaults < YAML preset (`--config`) < `--set key.sub
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bertpipe.jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths, to_dict
-from bertpipe.jobs.glue.config import FinetuneConfig
+from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.ner.config import NerConfig
 from bertpipe.jobs.squad.config import SquadConfig
@@ -61,7 +62,7 @@ class RootConfig:
     pairs: PairsConfig = field(default_factory=PairsConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    glue: GlueConfig = field(default_factory=GlueConfig)
     squad: SquadConfig = field(default_factory=SquadConfig)
     ner: NerConfig = field(default_factory=NerConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -76,6 +77,10 @@ class RootConfig:
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# Config sections renamed, old name -> new: the old name still loads (in a file or a --set), with a warning naming
+# the new one. `finetune` was GLUE's alone, while SQuAD and NER fine-tune too.
+RENAMED_SECTIONS = {"finetune": "glue"}
+log = logging.getLogger("bertpipe.config")
 
 
 def preset_names() -> list[str]:
@@ -102,8 +107,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
 
     Relative paths, in a preset, an override or `--workdir`, are relative to `base` (default: the current
     directory, where the user typed the command), never to wherever a later process happens to run."""
-    data: dict[str, Any] = load_yaml(find_preset(path)) if path else {}
-    data = apply_overrides(data, list(overrides or []))
+    data: dict[str, Any] = renamed_sections(load_yaml(find_preset(path)) if path else {})
+    data = apply_overrides(data, [renamed_override(o) for o in overrides or []])
     if workdir:
         data["workdir"] = workdir
     try:
@@ -121,6 +126,30 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return cfg
+
+
+def renamed_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with every renamed section under its new name (RENAMED_SECTIONS), a warning for each."""
+    for old, new in RENAMED_SECTIONS.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(f"config sections {new} and {old} (its old name) are both set: keep {new}")
+            _warn_renamed(old, new)
+            data = {(new if k == old else k): v for k, v in data.items()}
+    return data
+
+
+def renamed_override(text: str) -> str:
+    """A `--set` override with a renamed section's old name (`finetune.tasks=[MRPC]`) under the new one."""
+    section, dot, rest = text.partition(".")
+    if dot and section.strip() in RENAMED_SECTIONS:
+        _warn_renamed(section.strip(), RENAMED_SECTIONS[section.strip()])
+        return f"{RENAMED_SECTIONS[section.strip()]}.{rest}"
+    return text
+
+
+def _warn_renamed(old: str, new: str) -> None:
+    log.warning("config section %s is now %s: read as %s (the old name will go; write %s)", old, new, new, new)
 
 
 def resolved_tracking_uri(cfg: RootConfig) -> str:

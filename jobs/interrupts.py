@@ -67,5 +67,5 @@ def exit_code(exc: BaseException) -> int:
     return getattr(exc, "exit_code", 128 + signal.SIGINT)
 
 
-def describe(exc: BaseException) -> str:
+def interrupt_text(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, Interrupted) else "interrupted by SIGINT"

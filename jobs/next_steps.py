@@ -25,10 +25,10 @@ SMOKE_LABEL = "smoke sample, NOT GLUE"
 def show(cfg, args, selected: list[str], summary: list[dict[str, Any]], config_name: str) -> None:
     console.summary(summary)
     paths = WorkdirPaths(cfg.workdir)
-    finetune = read_manifest(paths.stage("finetune")) if "finetune" in selected else None
-    smoke = bool(finetune) and bool(finetune.get("extra", {}).get("smoke_sample", not cfg.finetune.glue_data_dir))
+    glue = read_manifest(paths.stage("glue")) if "glue" in selected else None
+    smoke = bool(glue) and bool(glue.get("extra", {}).get("smoke_sample", not cfg.glue.glue_data_dir))
     console.say()
-    for line in glue_lines(cfg, finetune, smoke):
+    for line in glue_lines(cfg, glue, smoke):
         console.say(line)
     for line in where_everything_is(cfg, args, selected, getattr(summary, "workflow_run", {}), config_name, smoke):
         console.say(line)
@@ -40,7 +40,7 @@ def glue_lines(cfg, manifest: dict | None, smoke: bool) -> list[str]:
         return []
     metrics = manifest.get("metrics", {})
     dev = {k[len("dev."):]: v for k, v in metrics.items() if k.startswith("dev.")}
-    order = [t for t in cfg.finetune.tasks if t in dev] + sorted(t for t in dev if t not in cfg.finetune.tasks)
+    order = [t for t in cfg.glue.tasks if t in dev] + sorted(t for t in dev if t not in cfg.glue.tasks)
     scores = " · ".join(f"{task} {dev[task]:.1f}" for task in order)
     lines = [f"GLUE dev ({SMOKE_LABEL}): {scores}" if smoke else f"GLUE dev: {scores}"]
     averages = [f"GLUE score {metrics['glue_score']:.2f}" if "glue_score" in metrics else "",
@@ -84,9 +84,9 @@ def real_glue_command(args) -> str:
     if args.workdir:
         parts += ["--workdir", args.workdir]
     for item in args.overrides:
-        if not item.startswith("finetune.glue_data_dir="):
+        if not item.startswith("glue.glue_data_dir="):
             parts += ["--set", item]
-    return shlex.join(parts + ["--set", "finetune.glue_data_dir=GLUE_DIR"])
+    return shlex.join(parts + ["--set", "glue.glue_data_dir=GLUE_DIR"])
 
 
 def where_everything_is(cfg, args, selected: list[str], workflow_run: dict[str, str], config_name: str,
@@ -103,14 +103,14 @@ def where_everything_is(cfg, args, selected: list[str], workflow_run: dict[str, 
                                  pretrain.get("extra", {}).get("mlflow_model", ""))
         lines.append(f"  model    {console.where(export)}"
                      + (f" · MLflow registered model {registered}" if registered else ""))
-    if "finetune" in selected and read_manifest(paths.stage("finetune")):
-        out = paths.stage("finetune")
+    if "glue" in selected and read_manifest(paths.stage("glue")):
+        out = paths.stage("glue")
         zipped = storage.join(out, "submission.zip")
         lines.append(f"  GLUE     {console.where(storage.join(out, 'summary.md'))}"
                      + (f" · submission {console.where(zipped)}" if storage.exists(zipped) else "")
                      + (f"  ({SMOKE_LABEL})" if smoke else ""))
     lines.append(mlflow_line(tracking_uri, workflow_run))
-    if "finetune" in selected:
+    if "glue" in selected:
         lines.append(f"  next     on real GLUE: {real_glue_command(args)}"
                      "  (GLUE_DIR: one folder per task, CoLA/ SST-2/ MRPC/ ... as GLUE's download makes them)")
     return lines

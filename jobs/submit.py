@@ -324,7 +324,7 @@ def _follow(client, job_id: str, submitted: float, args) -> int:
     except KeyboardInterrupt as exc:  # the job goes on: say how to find it again
         from bertpipe.jobs import interrupts
 
-        print(f"bertpipe: stopped following job {job_id} ({interrupts.describe(exc)}); it goes on: "
+        print(f"bertpipe: stopped following job {job_id} ({interrupts.interrupt_text(exc)}); it goes on: "
               f"{_jobs_command(args, 'logs --follow', job_id)}, or stop it: {_jobs_command(args, 'stop', job_id)}",
               file=sys.stderr)
         return interrupts.exit_code(exc)

@@ -65,7 +65,7 @@ def unwrap(markdown: str) -> str:
 EXPERIMENT_DESCRIPTION = unwrap("""
 **bertpipe**: BERT pre-training on Wikipedia, then fine-tuning. One workflow run per `bertpipe run`.
 
-* A **workflow run** (`<config> #<n> · <date time>`) runs clean → vocab → pairs → pretrain → finetune (and on
+* A **workflow run** (`<config> #<n> · <date time>`) runs clean → vocab → pairs → pretrain → glue (and on
   request squad, ner, features). Its tags name the config, the git commit and the outcome; its metrics are the
   headline figures to compare runs by (`pretrain/...`, `glue/...`).
 * Below it one **stage run** per stage, named by the stage: params = the stage's config, its manifest as an

@@ -1,6 +1,6 @@
 """The workflow: stages in order, each skipped when its committed manifest matches its fingerprint.
 
-clean -> vocab -> pairs -> pretrain -> finetune. A stage's fingerprint covers its config sections, the seed,
+clean -> vocab -> pairs -> pretrain -> glue. A stage's fingerprint covers its config sections, the seed,
 the schema version, its raw inputs (dump size + checksum) and its inputs: the output ids of the upstream manifests,
 or, for an input the user named explicitly (a vocab.txt, a shard folder, a checkpoint), that input's content
 checksums. A changed field, a different dump or a rerun upstream stage makes it (and everything after it) stale.
@@ -26,7 +26,7 @@ from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_u
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.glue.report import as_fractions
 from bertpipe.pipeline import outputs, parts, progress, storage
-from bertpipe.jobs.interrupts import describe as describe_interrupt, reinstall as reinstall_interrupts
+from bertpipe.jobs.interrupts import interrupt_text, reinstall as reinstall_interrupts
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.identity import describe_tree
 from bertpipe.pipeline.paths import WorkdirPaths
@@ -98,8 +98,8 @@ STAGES: tuple[Stage, ...] = (
           check="bertpipe.jobs.pretrain.stage:preflight", training=True,
           writes=("deepspeed_config.json", "metrics.json", "history.json", "baselines.json", "curve_*.png",
                   "export/*")),
-    Stage("finetune", ("finetune",), ("pretrain",), "bertpipe.jobs.glue.stage:run_stage",
-          "bertpipe.jobs.glue.stage:describe_raw_inputs", explicit=(("pretrain", "finetune.init"),),
+    Stage("glue", ("glue",), ("pretrain",), "bertpipe.jobs.glue.stage:run_stage",
+          "bertpipe.jobs.glue.stage:describe_raw_inputs", explicit=(("pretrain", "glue.init"),),
           check="bertpipe.jobs.glue.stage:preflight", training=True,
           writes=("models/*", "smoke_glue/*", "submission/*", "submission.zip", "summary.*", "_trials/*")),
     Stage("squad", ("squad",), ("pretrain",), "bertpipe.jobs.squad.stage:run_stage",
@@ -113,9 +113,12 @@ STAGES: tuple[Stage, ...] = (
           check="bertpipe.jobs.features.stage:preflight", opt_in=True),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+# Stages renamed, old name -> new: `--only` / `--from` still take the old name, with a warning naming the new one.
+# `finetune` was GLUE's alone, while SQuAD and NER fine-tune too.
+RENAMED_STAGES = {"finetune": "glue"}
 # What a stage's manifest counts (its num_rows), as the console says it: "97 documents", "40 steps".
 UNITS = {"clean": "documents", "vocab": "vocabulary entries", "pairs": "instances", "pretrain": "steps",
-         "finetune": "trials", "squad": "eval questions", "ner": "eval sentences", "features": "sentences"}
+         "glue": "trials", "squad": "eval questions", "ner": "eval sentences", "features": "sentences"}
 
 
 class RunSummary(list):
@@ -220,7 +223,20 @@ def fingerprint(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], ra
     })
 
 
+def current_stage_names(names: list[str]) -> list[str]:
+    """`names` with every renamed stage (RENAMED_STAGES) under its new name, a warning for each."""
+    out = []
+    for name in names:
+        if name in RENAMED_STAGES:
+            log.warning("stage %s is now %s: running %s (the old name will go; write %s)", name,
+                        RENAMED_STAGES[name], RENAMED_STAGES[name], RENAMED_STAGES[name])
+        out.append(RENAMED_STAGES.get(name, name))
+    return out
+
+
 def select(only: list[str] | None, start: str | None) -> list[str]:
+    only = current_stage_names(only) if only else only
+    start = current_stage_names([start])[0] if start else start
     for name in list(only or []) + ([start] if start else []):
         if name not in STAGE_NAMES:
             raise ValueError(f"unknown stage {name!r}; stages are {', '.join(STAGE_NAMES)}")
@@ -369,7 +385,7 @@ def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
 # The workflow run's headline metrics, {stage: {manifest metric: MLflow name}}: one value each (step 0).
 HEADLINE = {"pretrain": {n: f"pretrain/{n}" for n in ("loss", "eval_mlm_accuracy", "eval_nsp_accuracy",
                                                      "baseline_mlm_accuracy", "baseline_nsp_accuracy")},
-            "finetune": {"glue_score": "glue/score", "bert_paper_average": "glue/bert_paper_average"}}
+            "glue": {"glue_score": "glue/score", "bert_paper_average": "glue/bert_paper_average"}}
 
 
 def headline_metrics(cfg: RootConfig) -> dict[str, float]:
@@ -378,7 +394,7 @@ def headline_metrics(cfg: RootConfig) -> dict[str, float]:
     out: dict[str, float] = {}
     for stage, names in HEADLINE.items():
         metrics = (read_manifest(stage_uri(cfg, stage)) or {}).get("metrics", {})
-        if stage == "finetune":  # GLUE's percent, as fractions: one scale in MLflow
+        if stage == "glue":  # GLUE's percent, as fractions: one scale in MLflow
             metrics = as_fractions(metrics)
             out.update({f"glue/{k[4:]}": v for k, v in metrics.items() if k.startswith("dev.")})
         out.update({name: metrics[n] for n, name in names.items() if isinstance(metrics.get(n), (int, float))})
@@ -460,7 +476,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
     except BaseException as exc:
         ending.begin()
         if isinstance(exc, KeyboardInterrupt):  # a signal: the run is KILLED, and the CLI says in which stage
-            run.kill(f"{describe_interrupt(exc)} while stage {stage.name} ran")
+            run.kill(f"{interrupt_text(exc)} while stage {stage.name} ran")
             exc.stage = stage.name
             raise
         run.fail(exc, traceback.format_exc())

@@ -6,7 +6,7 @@ V vocabulary size (config.vocab_size), Vp padded vocabulary rows, P masked-posit
 
 Where this differs from the paper / the original TensorFlow code, on purpose:
 - Query, key and value are one fused H→3H linear (one matmul instead of three). The weights are the same
-  numbers: checkpoint.py splits and joins them under the usual query/key/value names.
+  numbers: hf_format.py splits and joins them under the usual query/key/value names.
 - Attention is torch's `scaled_dot_product_attention` (flash / memory-efficient kernels where available)
   with an additive padding mask; the math is the paper's, the attention matrix is never materialised.
 - The token embedding has `config.padded_vocab_size` rows (vocabulary rounded up to a multiple of 8, for
@@ -29,6 +29,7 @@ MLM projection tied to the token embedding with its own output bias, truncated-n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -156,8 +157,15 @@ def init_weights(module: nn.Module, std: float) -> None:
         nn.init.zeros_(module.bias)
 
 
+class EncoderOutput(NamedTuple):
+    """What BertModel returns (the field names are transformers' own)."""
+
+    last_hidden_state: Tensor  # [B, T, H]
+    pooler_output: Tensor | None  # [B, H]: tanh(dense([CLS])); None without a pooling layer
+
+
 class BertModel(nn.Module):
-    """Embeddings + encoder (+ pooler). forward → (sequence_output [B, T, H], pooled [B, H] or None)."""
+    """Embeddings + encoder (+ pooler). forward → EncoderOutput."""
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True):
         super().__init__()
@@ -170,7 +178,7 @@ class BertModel(nn.Module):
             self.embeddings.word_embeddings.weight[config.vocab_size:].zero_()
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor | None = None,
-                attention_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                attention_mask: Tensor | None = None) -> EncoderOutput:
         """input_ids, token_type_ids [B, T] long; attention_mask [B, T] with 1/True = real token, 0 = pad."""
         if input_ids.size(1) > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {input_ids.size(1)} exceeds max_position_embeddings "
@@ -190,7 +198,7 @@ class BertModel(nn.Module):
             mask = torch.zeros(keep.shape, dtype=dtype, device=x.device).masked_fill(~keep, torch.finfo(dtype).min)
         sequence_output = self.encoder(x, mask)  # [B, T, H]
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
-        return sequence_output, pooled
+        return EncoderOutput(sequence_output, pooled)
 
 
 # ----------------------------------------------------------------------------------------- heads
@@ -258,7 +266,8 @@ class BertForPreTraining(nn.Module):
                 next_sentence_label: Tensor | None = None) -> PreTrainingOutput:
         """masked_positions [B, P] long (pad slots 0), masked_lm_labels [B, P] (-100 = ignore), or, without
         masked_positions, [B, T]; next_sentence_label [B] long (0 = IsNext, 1 = NotNext)."""
-        sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask)  # [B, T, H], [B, H]
+        encoded = self.bert(input_ids, token_type_ids, attention_mask)
+        sequence_output, pooled = encoded.last_hidden_state, encoded.pooler_output  # [B, T, H], [B, H]
         if masked_positions is not None:
             B, P = masked_positions.shape
             index = masked_positions.unsqueeze(-1).expand(B, P, sequence_output.size(-1))  # [B, P, H]
@@ -276,9 +285,24 @@ class BertForPreTraining(nn.Module):
         return out
 
 
+class ClassifierOutput(NamedTuple):
+    """What the sequence and token classifiers return."""
+
+    loss: Tensor | None  # None without labels
+    logits: Tensor  # [B, num_labels] per sequence, [B, T, num_labels] per token
+
+
+class SpanOutput(NamedTuple):
+    """What BertForQuestionAnswering returns."""
+
+    loss: Tensor | None  # mean of the start and end cross-entropies; None without positions
+    start_logits: Tensor  # [B, T]
+    end_logits: Tensor  # [B, T]
+
+
 class BertForSequenceClassification(nn.Module):
     """dropout → linear on the pooled [CLS] vector. num_labels == 1 → regression with MSE (STS-B),
-    otherwise cross-entropy. forward → (loss or None, logits [B, num_labels])."""
+    otherwise cross-entropy. forward → ClassifierOutput (logits [B, num_labels])."""
 
     def __init__(self, config: BertConfig, num_labels: int):
         super().__init__()
@@ -292,8 +316,8 @@ class BertForSequenceClassification(nn.Module):
         init_weights(self.classifier, config.initializer_range)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, attention_mask: Tensor,
-                labels: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
-        _, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+                labels: Tensor | None = None) -> ClassifierOutput:
+        pooled = self.bert(input_ids, token_type_ids, attention_mask).pooler_output
         logits = self.classifier(self.dropout(pooled))  # [B, num_labels]
         loss = None
         if labels is not None:
@@ -301,12 +325,12 @@ class BertForSequenceClassification(nn.Module):
                 loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
             else:
                 loss = F.cross_entropy(logits.float(), labels.long())
-        return loss, logits
+        return ClassifierOutput(loss, logits)
 
 
 class BertForTokenClassification(nn.Module):
     """dropout → linear on every token (NER-style tagging). labels [B, T] with -100 = ignore (pads,
-    word-piece continuations). forward → (loss or None, logits [B, T, num_labels])."""
+    word-piece continuations). forward → ClassifierOutput (logits [B, T, num_labels])."""
 
     def __init__(self, config: BertConfig, num_labels: int):
         super().__init__()
@@ -320,19 +344,18 @@ class BertForTokenClassification(nn.Module):
         init_weights(self.classifier, config.initializer_range)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, attention_mask: Tensor,
-                labels: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
-        sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask)
+                labels: Tensor | None = None) -> ClassifierOutput:
+        sequence_output = self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
         logits = self.classifier(self.dropout(sequence_output))  # [B, T, num_labels]
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
-        return loss, logits
+        return ClassifierOutput(loss, logits)
 
 
 class BertForQuestionAnswering(nn.Module):
     """Span extraction (SQuAD): a linear H → 2 gives start and end logits per token.
-    forward → (loss or None, start_logits [B, T], end_logits [B, T]); loss = mean of the start and end
-    cross-entropies. Positions outside [0, T) are ignored (answer truncated away)."""
+    forward → SpanOutput. Positions outside [0, T) are ignored (answer truncated away)."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -343,8 +366,8 @@ class BertForQuestionAnswering(nn.Module):
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor, attention_mask: Tensor,
                 start_positions: Tensor | None = None,
-                end_positions: Tensor | None = None) -> tuple[Tensor | None, Tensor, Tensor]:
-        sequence_output, _ = self.bert(input_ids, token_type_ids, attention_mask)
+                end_positions: Tensor | None = None) -> SpanOutput:
+        sequence_output = self.bert(input_ids, token_type_ids, attention_mask).last_hidden_state
         start_logits, end_logits = self.qa_outputs(sequence_output).unbind(-1)  # [B, T] each
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -356,4 +379,4 @@ class BertForQuestionAnswering(nn.Module):
                 return F.cross_entropy(logits.float(), positions, ignore_index=IGNORE_INDEX)
 
             loss = (span_loss(start_logits, start_positions) + span_loss(end_logits, end_positions)) / 2
-        return loss, start_logits, end_logits
+        return SpanOutput(loss, start_logits, end_logits)

@@ -25,7 +25,7 @@ from bertpipe.pipeline import storage
 from bertpipe.pipeline.config import CleanConfig
 from bertpipe.pipeline.identity import describe_file
 from bertpipe.pipeline.progress import Reporter, remote_progress
-from bertpipe.pipeline.dump_reader import ReadUnit, check_head, expand_inputs, iter_pages, plan_units
+from bertpipe.pipeline.dump_reader import ReadUnit, check_dump_head, expand_inputs, iter_pages, plan_units
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 from bertpipe.pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
 
@@ -52,7 +52,7 @@ def preflight(ctx: StageContext) -> None:
     """Before Ray starts: every dump exists (describe_raw_inputs, run by the plan) and its head is a MediaWiki
     pages dump, so an empty, non-bz2 or non-Wikipedia file fails in milliseconds with one line."""
     for uri in expand_inputs(ctx.config["clean"].input):
-        check_head(uri)
+        check_dump_head(uri)
 
 
 # ---------------------------------------------------------------- pure per-row / per-batch functions

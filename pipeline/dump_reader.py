@@ -287,7 +287,7 @@ class _HeadFound(Exception):
     """Raised from inside expat to stop reading once the first <page> has started."""
 
 
-def check_head(uri: str) -> None:
+def check_dump_head(uri: str) -> None:
     """Before any Ray work: `uri` opens (bz2, gzip or plain), is XML whose root is <mediawiki>, and a <page> starts
     within its first HEAD_BYTES of XML. Reads only that head, so a bad dump costs milliseconds, not a Ray start-up
     and a failed task; a dump truncated further in is still found by `iter_pages`. StageInputError naming the file."""

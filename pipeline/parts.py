@@ -68,7 +68,7 @@ def part_path(*names: str) -> str:
     return posixpath.join(PARTS_DIR, *names)
 
 
-def load(stage_uri: str, part: str, key: str) -> dict[str, Any] | None:
+def load_committed(stage_uri: str, part: str, key: str) -> dict[str, Any] | None:
     """The kept result of `part`, if its marker is for `key` and every file it lists is there at its size."""
     marker = _markers(stage_uri).get(part)
     if marker is None or marker.get("key") != key or not isinstance(marker.get("result"), dict):

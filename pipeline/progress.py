@@ -145,13 +145,11 @@ class Progress:
     Fields with a meaning of their own: `status` (printed at once when it changes: a one-off worth a line, such as
     "compiling the model"), `doing` (what the work is busy with now, shown in the next line: "evaluating"),
     `eta_s` + `eta_at` (the work's own estimate of the seconds left, made at wall time `eta_at`: used instead of
-    the count-based ETA), `eta_unknown` (no ETA is shown while it is true). `tail_s`: seconds of driver work after
-    the counted work ends, added to the ETA."""
+    the count-based ETA), `eta_unknown` (no ETA is shown while it is true)."""
 
     def __init__(self, desc: str, total: float | None, unit: str,
-                 describe: Callable[[dict[str, Any]], str] = lambda f: "", tail_s: float = 0.0):
+                 describe: Callable[[dict[str, Any]], str] = lambda f: ""):
         self.desc, self.total, self.unit, self.describe = desc, total, unit, describe
-        self.tail_s = tail_s
         self.count, self.fields = 0.0, {}
         self.started = time.perf_counter()
         self.first: tuple[float, float] | None = None  # (time, count) of the first progress: rates exclude start-up
@@ -189,10 +187,10 @@ class Progress:
             return None
         if self.fields.get("eta_s") is not None:
             left = float(self.fields["eta_s"]) - (time.time() - float(self.fields.get("eta_at", time.time())))
-            return max(left, 0.0) + self.tail_s
+            return max(left, 0.0)
         rate = self.rate()
         if self.total and rate > 0:
-            return (self.total - self.count) / rate + self.tail_s
+            return (self.total - self.count) / rate
         return None
 
     def rate(self) -> float:
@@ -314,18 +312,17 @@ def _board():
 @contextmanager
 def remote_progress(desc: str, total: float | None, unit: str,
                     describe: Callable[[dict[str, Any]], str] = lambda f: "",
-                    tail_s: float = 0.0,
                     watch: Callable[[float, dict[str, Any]], dict[str, Any]] | None = None) -> Iterator[Reporter]:
-    """A Reporter for Ray tasks / Train workers, shown on the driver while the block runs (`tail_s`: see
-    Progress). `watch(count, fields)`, called on every poll, returns fields to show over the workers' (a `status`
-    line of its own: jobs/pretrain/attempts.py tells a lost node this way)."""
+    """A Reporter for Ray tasks / Train workers, shown on the driver while the block runs. `watch(count, fields)`,
+    called on every poll, returns fields to show over the workers' (a `status` line of its own:
+    jobs/pretrain/attempts.py tells a lost node this way)."""
     if not ENABLED["on"]:
         yield Reporter(None)
         return
     import ray
 
     board, key = _board(), f"{desc}-{time.monotonic_ns()}"
-    shown = Progress(desc, total, unit, describe, tail_s)
+    shown = Progress(desc, total, unit, describe)
     stop = threading.Event()
 
     def poll() -> None:

@@ -58,7 +58,7 @@ def holder_record(command: str | None = None) -> dict:
             "nonce": uuid.uuid4().hex}
 
 
-def describe(record: dict) -> str:
+def holder_text(record: dict) -> str:
     started = record.get("started")
     when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float))
             else "unknown")
@@ -196,7 +196,7 @@ def _current_record(path: str) -> dict:
 
 
 def _busy(workdir: str, path: str, record: dict, why: str = "") -> WorkdirBusy:
-    who = describe(record) if record else "a run that has not written its record yet"
+    who = holder_text(record) if record else "a run that has not written its record yet"
     return WorkdirBusy(f"workdir {mask(workdir)} is in use by another run ({who}){why}; wait for it to end or "
                        f"stop it (lock: {mask(path)})")
 
@@ -229,7 +229,7 @@ def _acquire_local(workdir: str, path: str, record: dict, note: Note) -> _LocalL
                                          "from here: if it is gone, delete the lock file")
                     if reason is None:
                         reason = "it no longer holds the lock"
-                    note(f"took over the workdir lock left by a run that is gone ({describe(previous)}): {reason}")
+                    note(f"took over the workdir lock left by a run that is gone ({holder_text(previous)}): {reason}")
                 data = json.dumps(record, sort_keys=True).encode()
                 ours = True
                 os.ftruncate(fd, 0)
@@ -437,7 +437,7 @@ def _acquire_lease(workdir: str, path: str, store, record: dict, note: Note, lea
         new_tag = store.replace(body, tag)
         if new_tag is None:
             continue  # another run took it over first (or it was renewed): look again
-        note(f"took over the workdir lock left by a run that is gone ({describe(previous)}): {reason}")
+        note(f"took over the workdir lock left by a run that is gone ({holder_text(previous)}): {reason}")
         return _LeaseLock(workdir, path, store, record, new_tag, lease_s)
     raise WorkdirBusy(f"workdir {mask(workdir)}: its lock {mask(path)} keeps changing hands; try again")
 

@@ -101,8 +101,8 @@ def real_pairs(tmp_path_factory, ray_local, enwiki_sample) -> Path:
 # (tests/test_cluster_e2e.py's submitted run).
 USER_RUN_SETTINGS = ["--set", "pretrain.max_steps=6", "--set", "pretrain.checkpoint_every_steps=3",
                      "--set", "pretrain.log_every_steps=2", "--set", "pretrain.eval_every_steps=0",
-                     "--set", "finetune.tasks=[MRPC]", "--set", "finetune.learning_rates=[1e-4]",
-                     "--set", "finetune.num_epochs=1"]
+                     "--set", "glue.tasks=[MRPC]", "--set", "glue.learning_rates=[1e-4]",
+                     "--set", "glue.num_epochs=1"]
 
 
 def user_env(ray_tmp: Path) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """A pre-training worker without Ray: one process, torch.distributed over gloo with world size 1, the DeepSpeed
-engine that `loop.build_engine` builds, and shard rows from pretrain_helpers. For the CPU tests of the step path
+engine that `engine.build_engine` builds, and shard rows from pretrain_helpers. For the CPU tests of the step path
 (host reads, the non-finite stop, compile) and benchmarks/bench_step_profile.py."""
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ def process_group():
 
 
 def worker(cfg, *, model=None, precision: str = "fp32", vocab=h.TOKENS, seed: int = 7):
-    """A loop.Worker on the CPU with the engine of `cfg`; precision "bf16" switches DeepSpeed's bf16 on the way
+    """A worker.Worker on the CPU with the engine of `cfg`; precision "bf16" switches DeepSpeed's bf16 on the way
     the GPU config does (DeepSpeed runs it on CPU too), which the product's CPU validation refuses."""
     from bertpipe.jobs.pretrain import deepspeed_config as dsc
-    from bertpipe.jobs.pretrain import loop
+    from bertpipe.jobs.pretrain import engine as engines
+    from bertpipe.jobs.pretrain import worker, worker_spec
     from bertpipe.jobs.pretrain.config import ModelConfig
     from bertpipe.jobs.tracking import RunLogger
 
@@ -40,14 +41,14 @@ def worker(cfg, *, model=None, precision: str = "fp32", vocab=h.TOKENS, seed: in
         original = dsc.resolved_precision
         dsc.resolved_precision = lambda c: "bf16"
         try:
-            engine, scheduler = loop.build_engine(cfg, model, len(vocab), seed, 1)
+            engine, scheduler = engines.build_engine(cfg, model, len(vocab), seed, 1)
         finally:
             dsc.resolved_precision = original
     else:
-        engine, scheduler = loop.build_engine(cfg, model, len(vocab), seed, 1)
-    spec = loop.WorkerSpec(pretrain=cfg, model=model, seed=seed, vocab_tokens=list(vocab), vocab_bytes=b"",
+        engine, scheduler = engines.build_engine(cfg, model, len(vocab), seed, 1)
+    spec = worker_spec.WorkerSpec(pretrain=cfg, model=model, seed=seed, vocab_tokens=list(vocab), vocab_bytes=b"",
                            tracking={}, export_uri="", storage_path="", run_name="test")
-    return loop.Worker(spec, engine, scheduler, 0, 1, torch.device("cpu"), RunLogger({}, enabled=False))
+    return worker.Worker(spec, engine, scheduler, 0, 1, torch.device("cpu"), RunLogger({}, enabled=False))
 
 
 def raw_batches(n: int, micro: int, L: int, seed: int = 0) -> list[dict]:

@@ -95,7 +95,7 @@ def worker(rank: int, port: int, zero_stage: int, precision: str, out: str) -> N
     import torch.distributed as dist
 
     from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
-    from bertpipe.jobs.pretrain.loop import skip_inference_comm_op
+    from bertpipe.jobs.pretrain.engine import skip_inference_comm_op
     from bertpipe.jobs.pretrain.optim import Lamb
     from bertpipe.model.training import param_groups
 

@@ -55,8 +55,8 @@ def test_invalid_value_is_refused_at_load_before_any_stage(sample_copy):
 def test_unknown_key_suggests_the_right_one(sample_copy):
     assert_one_line_refusal(bertpipe(sample_copy, "run", "--set", "pretrain.zero_stag=1"),
                             "unknown config key pretrain.zero_stag", "did you mean pretrain.zero_stage?")
-    assert_one_line_refusal(bertpipe(sample_copy, "status", "--set", "finetune.learning_rate=[1e-5]"),
-                            "did you mean finetune.learning_rates?")
+    assert_one_line_refusal(bertpipe(sample_copy, "status", "--set", "glue.learning_rate=[1e-5]"),
+                            "did you mean glue.learning_rates?")
 
 
 def test_missing_dump_hints_at_fetch_sample(tmp_path):
@@ -66,12 +66,12 @@ def test_missing_dump_hints_at_fetch_sample(tmp_path):
 
 
 def test_finetune_init_must_be_a_bert_checkpoint(tmp_path):
-    assert_one_line_refusal(bertpipe(tmp_path, "run", "--only", "finetune", "--set", "finetune.init=nowhere"),
-                            f"finetune.init {tmp_path / 'nowhere'} does not exist")
+    assert_one_line_refusal(bertpipe(tmp_path, "run", "--only", "glue", "--set", "glue.init=nowhere"),
+                            f"glue.init {tmp_path / 'nowhere'} does not exist")
     not_bert = tmp_path / "gpt"
     not_bert.mkdir()
     (not_bert / "config.json").write_text('{"model_type": "gpt2", "n_embd": 768}')
-    assert_one_line_refusal(bertpipe(tmp_path, "run", "--only", "finetune", "--set", "finetune.init=gpt"),
+    assert_one_line_refusal(bertpipe(tmp_path, "run", "--only", "glue", "--set", "glue.init=gpt"),
                             "is not a BERT checkpoint")
     assert no_manifest_under(tmp_path)
 
@@ -90,8 +90,8 @@ def test_glue_folder_lacking_a_requested_task_file_is_refused(tmp_path):
     glue = tmp_path / "glue" / "MRPC"
     glue.mkdir(parents=True)
     (glue / "train.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\ta b\tc d\n")
-    proc = bertpipe(tmp_path, "run", "--only", "finetune", "--set", f"finetune.init={init}",
-                    "--set", "finetune.glue_data_dir=glue", "--set", "finetune.tasks=[MRPC,RTE]")
+    proc = bertpipe(tmp_path, "run", "--only", "glue", "--set", f"glue.init={init}",
+                    "--set", "glue.glue_data_dir=glue", "--set", "glue.tasks=[MRPC,RTE]")
     line = assert_one_line_refusal(proc, "GLUE data incomplete")
     assert str(glue / "dev.tsv") in line and str(tmp_path / "glue" / "RTE" / "train.tsv") in line
     assert no_manifest_under(tmp_path)

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.jobs.glue.config import FinetuneConfig
+from bertpipe.jobs.glue.config import GlueConfig
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_glue.py"
 N_ROWS, EPOCHS = 12, 3
-RECIPE = FinetuneConfig(batch_size=N_ROWS, num_epochs=EPOCHS)
+RECIPE = GlueConfig(batch_size=N_ROWS, num_epochs=EPOCHS)
 LR = 1e-3
 
 

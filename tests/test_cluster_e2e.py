@@ -187,13 +187,13 @@ def test_submitted_workflow_runs_every_stage_then_skips_then_reruns_one(cluster,
     assert re.search(r"^job:\s+\S+", first.stdout, re.M) and "dashboard:" in first.stdout
     to_running = float(re.search(r"job running ([\d.]+) s after submission", first.stdout).group(1))
     print(f"\nsubmit -> job running: {to_running:.1f} s; whole tiny workflow as a job: {wall:.1f} s")
-    for stage in ("clean", "vocab", "pairs", "pretrain", "finetune"):
+    for stage in ("clean", "vocab", "pairs", "pretrain", "glue"):
         assert re.search(rf"^{stage}\s+ran\b", first.stdout, re.M), first.stdout[-3000:]
 
     parent = _latest_parent(cluster)
     assert parent["info"]["status"] == "FINISHED"
     children = _children(cluster, parent["info"]["run_id"])
-    assert set(children) >= {"clean", "vocab", "pairs", "pretrain", "finetune"}
+    assert set(children) >= {"clean", "vocab", "pairs", "pretrain", "glue"}
     metrics = {s: {m["key"]: m["value"] for m in r["data"].get("metrics", [])} for s, r in children.items()}
     assert metrics["clean"]["num_rows"] > 50
     assert metrics["pairs"]["num_rows"] > 1000
@@ -208,11 +208,11 @@ def test_submitted_workflow_runs_every_stage_then_skips_then_reruns_one(cluster,
     one = _bertpipe(cluster, "submit", "--wait", "--", "run", *common, "--only", "pairs", "--force")
     assert one.returncode == 0, one.stdout[-3000:]
     assert re.search(r"^pairs\s+ran\b", one.stdout, re.M)
-    assert not re.search(r"^(clean|vocab|pretrain|finetune)\s+(ran|skipped)\b", one.stdout, re.M)
+    assert not re.search(r"^(clean|vocab|pretrain|glue)\s+(ran|skipped)\b", one.stdout, re.M)
     status = _bertpipe(cluster, "status", *common, "--json")
     states = {r["stage"]: r["state"] for r in json.loads(status.stdout)}
     assert states == {"clean": "fresh", "vocab": "fresh", "pairs": "fresh", "pretrain": "stale",
-                      "finetune": "stale"}
+                      "glue": "stale"}
 
 
 # ---------------------------------------------------------------------------------------------------------

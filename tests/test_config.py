@@ -68,3 +68,31 @@ def test_off_is_a_string_on_the_command_line():
     assert cfg.mlflow.tracking_uri == "off"
     with pytest.raises(ConfigError, match=r"ray\.dashboard.*true/false"):
         load_config("tiny", ["ray.dashboard=yes"])
+
+
+def test_the_old_finetune_section_loads_as_glue_with_one_warning_naming_it(tmp_path, caplog):
+    """`finetune` (GLUE's section before it was named for what it is) still loads, in a file and in a --set: the
+    same config as `glue`, each use warned about in one line that names the new key."""
+    new = load_config("tiny", ["glue.tasks=[MRPC]", "glue.num_epochs=1"])
+    old_file = tmp_path / "old.yaml"
+    old_file.write_text((Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").read_text()
+                        .replace("\nglue:", "\nfinetune:"))
+    with caplog.at_level("WARNING", logger="bertpipe.config"):
+        old = load_config(str(old_file), ["finetune.tasks=[MRPC]", "finetune.num_epochs=1"])
+    assert old == new and old.glue.tasks == ("MRPC",) and old.glue.num_epochs == 1
+    warned = [r.getMessage() for r in caplog.records if r.name == "bertpipe.config"]
+    assert len(warned) == 3 and all("finetune is now glue" in w and "\n" not in w for w in warned), warned
+    both = tmp_path / "both.yaml"
+    both.write_text(old_file.read_text() + "glue:\n  num_epochs: 1\n")
+    with pytest.raises(ConfigError, match="glue and finetune"):
+        load_config(str(both))
+
+
+def test_the_old_finetune_stage_name_selects_the_glue_stage_with_a_warning(caplog):
+    from bertpipe.jobs import workflow
+
+    with caplog.at_level("WARNING", logger="bertpipe"):
+        assert workflow.select(["finetune"], None) == workflow.select(["glue"], None) == ["glue"]
+        assert workflow.select(None, "finetune") == workflow.select(None, "glue")
+    warned = [r.getMessage() for r in caplog.records if "finetune" in r.getMessage()]
+    assert len(warned) == 2 and all("stage finetune is now glue" in w for w in warned), warned

@@ -38,11 +38,11 @@ UPPER_BOUNDS = [
     ("clean.input=[]", "input"),
     ("ray.num_cpus=0", "num_cpus"),
     ("seed=4294967296", "seed"),
-    ("finetune.learning_rates=[]", "learning_rates"),
-    ("finetune.seeds=[]", "seeds"),
-    ("finetune.warmup_proportion=1", "warmup_proportion"),
-    ("finetune.max_seq_length=513", "max_seq_length"),
-    ("finetune.max_grad_norm=0", "max_grad_norm"),
+    ("glue.learning_rates=[]", "learning_rates"),
+    ("glue.seeds=[]", "seeds"),
+    ("glue.warmup_proportion=1", "warmup_proportion"),
+    ("glue.max_seq_length=513", "max_seq_length"),
+    ("glue.max_grad_norm=0", "max_grad_norm"),
     ("squad.max_seq_length=1024", "max_seq_length"),
     ("squad.train_articles=[5,2]", "train_articles"),
     ("ner.entity_types=[]", "entity_types"),
@@ -152,7 +152,7 @@ def _bertpipe(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 # The examples (each was accepted, or failed late, before) and one of each kind of generic value.
 CLI_SUBSET = ["pairs.short_seq_prob=2", "pairs.num_shards=0", "pairs.heldout_fraction=1.5",
               "pairs.max_seq_lengths=[-5]", "pairs.max_seq_lengths=[3]", "pairs.dupe_factor=0",
-              "clean.rows_per_file=-1", "finetune.weight_decay=.nan", "pretrain.phases=[]"]
+              "clean.rows_per_file=-1", "glue.weight_decay=.nan", "pretrain.phases=[]"]
 
 
 @pytest.mark.parametrize("override", CLI_SUBSET)

@@ -66,7 +66,7 @@ def test_a_killed_runs_announced_files_are_its_own_and_anything_else_still_stops
 
 
 def test_the_announced_names_cover_every_file_a_real_run_commits(made_run):
-    """The first hour's `make run` (clean → vocab → pairs → pretrain → finetune): every file each stage committed
+    """The first hour's `make run` (clean → vocab → pairs → pretrain → glue): every file each stage committed
     is one of the names the stage announces, or a killed run of it would leave a file the next run refuses."""
     assert made_run["rc"] == 0
     workdir = made_run["workdir"]
@@ -251,18 +251,18 @@ def test_kill_9_mid_fan_out_reuses_the_finished_trials(tmp_path, ray_tmp):
 
     save_tiny_bert(tmp_path / "bert")
     glue = write_sample(str(tmp_path / "glue"))
-    args = ["--workdir", str(tmp_path / "w"), "--only", "finetune"]
-    for s in (f"finetune.init={tmp_path / 'bert'}", f"finetune.glue_data_dir={glue}", "finetune.tasks=[SST-2,MRPC]",
-              "finetune.learning_rates=[1e-3,5e-4]", "finetune.num_epochs=2", "finetune.max_seq_length=32",
-              "finetune.max_concurrent_trials=1"):
+    args = ["--workdir", str(tmp_path / "w"), "--only", "glue"]
+    for s in (f"glue.init={tmp_path / 'bert'}", f"glue.glue_data_dir={glue}", "glue.tasks=[SST-2,MRPC]",
+              "glue.learning_rates=[1e-3,5e-4]", "glue.num_epochs=2", "glue.max_seq_length=32",
+              "glue.max_concurrent_trials=1"):
         args += ["--set", s]
     proc = start(tmp_path, args, ray_tmp)
-    kill_when(proc, ray_tmp, lambda: any((tmp_path / "w" / "finetune" / "_trials").rglob("_DONE.json")))
-    finished = len(list((tmp_path / "w" / "finetune" / "_trials").rglob("_DONE.json")))
+    kill_when(proc, ray_tmp, lambda: any((tmp_path / "w" / "glue" / "_trials").rglob("_DONE.json")))
+    finished = len(list((tmp_path / "w" / "glue" / "_trials").rglob("_DONE.json")))
     done, seconds = rerun(tmp_path, args, ray_tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    kept = re.search(r"finetune: (\d+) finished trial\(s\) kept", done.stdout)
+    kept = re.search(r"glue: (\d+) finished trial\(s\) kept", done.stdout)
     assert kept and int(kept.group(1)) == finished, done.stdout
-    manifest = read_manifest(str(tmp_path / "w" / "finetune"))
+    manifest = read_manifest(str(tmp_path / "w" / "glue"))
     assert {t: v["status"] for t, v in manifest["extra"]["tasks"].items()} == {"SST-2": "ok", "MRPC": "ok"}
-    print(f"\nfinetune killed after {finished} finished trial(s); rerun reused them and finished in {seconds:.1f} s")
+    print(f"\nglue stage killed after {finished} finished trial(s); rerun reused them and finished in {seconds:.1f} s")

@@ -171,7 +171,7 @@ def test_status_lists_opt_in_stages_only_once_they_ran(tmp_path, tiny_bert):
     import json as _json
 
     cfg = load_config("tiny", [f"squad.init={tiny_bert}"], str(tmp_path / "w"))
-    assert [r["stage"] for r in workflow.status(cfg)] == ["clean", "vocab", "pairs", "pretrain", "finetune"]
+    assert [r["stage"] for r in workflow.status(cfg)] == ["clean", "vocab", "pairs", "pretrain", "glue"]
     squad = tmp_path / "w" / "squad"
     squad.mkdir(parents=True)
     fields = {"stage": "squad", "fingerprint": "x", "output_id": "y", "schema_version": 1, "num_rows": 0,
@@ -179,4 +179,4 @@ def test_status_lists_opt_in_stages_only_once_they_ran(tmp_path, tiny_bert):
               "metrics": {}, "extra": {}}  # a manifest of the right shape whose fingerprint is not today's
     (squad / "_MANIFEST.json").write_text(_json.dumps(fields))
     rows = {r["stage"]: r["state"] for r in workflow.status(cfg)}
-    assert list(rows) == ["clean", "vocab", "pairs", "pretrain", "finetune", "squad"] and rows["squad"] == "stale"
+    assert list(rows) == ["clean", "vocab", "pairs", "pretrain", "glue", "squad"] and rows["squad"] == "stale"

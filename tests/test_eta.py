@@ -103,11 +103,83 @@ def test_a_million_steps_cost_no_time_to_estimate():
     assert time.perf_counter() - started < 0.5
 
 
-def test_progress_prefers_the_work_s_own_estimate_plus_the_driver_tail():
-    shown = progress.Progress("pretrain", 40, "steps", tail_s=6.0)
+def test_progress_prefers_the_work_s_own_estimate():
+    """The workers' estimate, made 5 s ago, less those 5 s; nothing is added for what no one measured."""
+    shown = progress.Progress("pretrain", 40, "steps")
     shown.set(10, eta_s=20.0, eta_at=time.time() - 5.0)
-    assert shown.eta() == pytest.approx(21.0, abs=0.5)
-    assert "ETA 0:00:2" in shown.line()
+    assert shown.eta() == pytest.approx(15.0, abs=0.5)
+    assert "ETA 0:00:1" in shown.line()
+
+
+class FakeTime:
+    """A perf_counter the test moves by hand."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def step_clock(tiny):
+    """The tiny preset's worker clock (rank 0, 2 workers, the rows of `tiny`) on a fake clock; its reports kept."""
+    from bertpipe.jobs.pretrain.clock import StepClock
+    from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
+
+    cfg, _, _ = tiny
+    reports = []
+
+    class Board:
+        def set(self, count, **fields):
+            reports.append((count, fields))
+
+    spec = WorkerSpec(pretrain=cfg.pretrain, model=cfg.model, seed=1, vocab_tokens=["w"] * 8192, vocab_bytes=b"",
+                      tracking={}, export_uri="", storage_path="", run_name="r", progress=Board(),
+                      rows={"train_128": 2 * 5698, "train_512": 2 * 1818, "heldout_128": 288, "heldout_512": 90})
+    now = FakeTime()
+    return StepClock(spec, 0, 2, "cpu", now=now), now, reports
+
+
+def test_the_step_clock_leaves_set_aside_time_out_of_the_step_and_prices_it(step_clock):
+    """The loop's marks on a fake clock: steps of 0.2 s; an evaluation (3 s), a checkpoint (1 s), a compile (9 s)
+    and a stream opened between two steps (2 s) stay out of the step time; the evaluation and the checkpoint price
+    the next ones, the stream the next epochs'; every step's report carries the ETA of what was measured."""
+    clock, now, reports = step_clock
+    clock.start_phase(0)
+    for step in range(1, 11):
+        now.now += 0.2
+        if step == 2:
+            with clock.aside("compile"):
+                now.now += 9.0
+        if step == 5:
+            with clock.aside("evaluation", 0) as took:
+                now.now += 3.0
+            with clock.aside("checkpoint"):
+                now.now += 1.0
+        if step == 7:
+            clock.stream_opened(2.0, before_training=False)
+            now.now += 2.0
+        clock.optimizer_step(step, 0, None, {})
+    assert clock.measured.step_s[0] == pytest.approx([0.2] * 10)
+    assert took.seconds == pytest.approx(3.0)
+    assert (clock.measured.eval_s, clock.measured.checkpoint_s, clock.measured.stream_start_s) == \
+        (pytest.approx({0: 3.0}), pytest.approx(1.0), 2.0)
+    assert clock.meter.paused == pytest.approx(4.0)  # the evaluation and the checkpoint leave the throughput
+    assert [count for count, _ in reports] == list(range(1, 11))
+    count, fields = reports[-1]
+    assert fields["eta_s"] == pytest.approx(eta.seconds_left(clock.schedule(), clock.measured, 10, 0))
+    assert fields["eta_s"] > 30 * 0.2 + 3.0 + 1.0  # phase 1's 26 steps left, its evaluation and checkpoint at 20
+
+
+def test_streams_opened_before_training_count_by_the_slowest(step_clock):
+    clock, now, _ = step_clock
+    for seconds in (1.5, 4.0, 2.5):  # opened at once, in threads
+        clock.stream_opened(seconds, before_training=True)
+    clock.start_phase(0)
+    now.now += 0.2
+    clock.optimizer_step(1, 0, None, {})
+    assert clock.measured.stream_start_s == 4.0 and clock.measured.step_s[0] == pytest.approx([0.2])
 
 
 def test_a_quiet_console_hears_what_runs(capsys, monkeypatch):

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.jobs.glue.config import FinetuneConfig
+from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.glue.report import submission_rows
 from bertpipe.jobs.glue.stage import run_stage
 from bertpipe.jobs.glue.trial import GlueTask, collate, encode
 from bertpipe.jobs.tuning.fanout import trial_seed
 from bertpipe.pipeline.tokenizer import load_tokenizer
-from bertpipe.jobs.tuning.loop import make_optimizer, run_trial
+from bertpipe.jobs.tuning.loop import optimizer_and_schedule, run_trial
 from bertpipe.jobs.glue.sample import sample_files, write_sample
 from bertpipe.jobs.glue.tasks import TASKS, read_task
 from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError
@@ -43,8 +43,8 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def glue_trial(model_dir, data, learning_rate: float, seed: int, **recipe):
-    """One GLUE trial on the engine, with a FinetuneConfig of `recipe`."""
-    return run_trial(model_dir, GlueTask(data), learning_rate, seed, FinetuneConfig(**recipe))
+    """One GLUE trial on the engine, with a GlueConfig of `recipe`."""
+    return run_trial(model_dir, GlueTask(data), learning_rate, seed, GlueConfig(**recipe))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_pairs_are_cls_a_sep_b_sep_truncated_and_padded_to_8(tiny_model):
 
 def test_trial_is_reproducible_and_learns(tiny_model, sample_dir):
     data = read_task(str(sample_dir), TASKS["SST-2"])
-    recipe = FinetuneConfig(batch_size=8, num_epochs=4, warmup_proportion=0.1)
+    recipe = GlueConfig(batch_size=8, num_epochs=4, warmup_proportion=0.1)
     epochs = []
     a = run_trial(tiny_model, GlueTask(data), 1e-2, 7, recipe, on_epoch=lambda e, row: epochs.append((e, row)))
     b = run_trial(tiny_model, GlueTask(data), 1e-2, 7, recipe)
@@ -96,16 +96,16 @@ def test_submission_rows_and_seeds():
     assert submission_rows(TASKS["MNLI"], [0, 1, 2]) == ["contradiction", "entailment", "neutral"]
     assert submission_rows(TASKS["CoLA"], [1, 0]) == ["1", "0"]
     assert submission_rows(TASKS["STS-B"], [-0.3, 2.25, 7.0]) == ["0.000", "2.250", "5.000"]
-    assert (trial_seed(1, "finetune", 1, "RTE") == trial_seed(1, "finetune", 1, "RTE")
-            != trial_seed(1, "finetune", 2, "RTE") != trial_seed(2, "finetune", 1, "RTE"))
+    assert (trial_seed(1, "glue", 1, "RTE") == trial_seed(1, "glue", 1, "RTE")
+            != trial_seed(1, "glue", 2, "RTE") != trial_seed(2, "glue", 1, "RTE"))
     with pytest.raises(ValueError, match="learning_rates"):
-        FinetuneConfig(learning_rates=())
+        GlueConfig(learning_rates=())
     with pytest.raises(ValueError, match="unknown GLUE task .SST2."):
-        FinetuneConfig(tasks=("SST2",))
+        GlueConfig(tasks=("SST2",))
 
 
-def _ctx(out: Path, cfg: FinetuneConfig, tracking: dict) -> StageContext:
-    return StageContext(name="finetune", output_uri=str(out), config={"finetune": cfg}, seed=5,
+def _ctx(out: Path, cfg: GlueConfig, tracking: dict) -> StageContext:
+    return StageContext(name="glue", output_uri=str(out), config={"glue": cfg}, seed=5,
                         inputs={"pretrain": StageInput("pretrain", str(out.parent / "pretrain"), {})},
                         tracking=tracking)
 
@@ -134,8 +134,8 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
     exp = client.create_experiment("glue", artifact_location=(tmp_path / "artifacts").as_uri())
-    first, second = (client.create_run(exp, run_name="finetune").info.run_id for _ in range(2))
-    cfg = FinetuneConfig(glue_data_dir=str(glue), tasks=("SST-2", "STS-B", "MNLI", "RTE"),
+    first, second = (client.create_run(exp, run_name="glue").info.run_id for _ in range(2))
+    cfg = GlueConfig(glue_data_dir=str(glue), tasks=("SST-2", "STS-B", "MNLI", "RTE"),
                          learning_rates=(3e-3, 1e-3), batch_size=16, num_epochs=2, max_concurrent_trials=3)
     out = tmp_path / "out"
     with pytest.raises(TasksUnreadable, match=r"^1 of 4 requested GLUE tasks failed: RTE: \S+/RTE/dev.tsv:5: "
@@ -195,7 +195,7 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
 def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path, capsys):
     from bertpipe.pipeline import progress
 
-    cfg = FinetuneConfig(init=str(tiny_model), tasks=("WNLI", "CoLA"), learning_rates=(1e-3,), num_epochs=1,
+    cfg = GlueConfig(init=str(tiny_model), tasks=("WNLI", "CoLA"), learning_rates=(1e-3,), num_epochs=1,
                          max_concurrent_trials=1)
     progress.enable(True)  # as the CLI does: the trials' steps on one driver line
     try:
@@ -203,7 +203,7 @@ def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path, ca
     finally:
         progress.enable(False)
     shown = capsys.readouterr().out
-    assert re.search(r"finetune: (\d+)/\1 \(100%\) steps · trials 2/2 · best \d+\.\d\d · .*done in", shown), shown
+    assert re.search(r"glue: (\d+)/\1 \(100%\) steps · trials 2/2 · best \d+\.\d\d · .*done in", shown), shown
     assert (tmp_path / "out" / "smoke_glue" / "README.txt").read_text().startswith("SMOKE SAMPLE - NOT GLUE")
     assert result.extra["submission"] == ["CoLA.tsv", "WNLI.tsv"] and result.num_rows == 2
     summary = (tmp_path / "out" / "summary.md").read_text()
@@ -214,7 +214,7 @@ def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path, ca
     bad = tmp_path / "bad"
     (bad / "CoLA").mkdir(parents=True)
     (bad / "CoLA" / "train.tsv").write_text("")
-    cfg = FinetuneConfig(init=str(tiny_model), glue_data_dir=str(bad), tasks=("CoLA", "WNLI"), num_epochs=1)
+    cfg = GlueConfig(init=str(tiny_model), glue_data_dir=str(bad), tasks=("CoLA", "WNLI"), num_epochs=1)
     with pytest.raises(StageInputError, match=r"CoLA/train.tsv: empty file.*WNLI: task folder or train.tsv missing"):
         run_stage(_ctx(tmp_path / "out2", cfg, {}))
 
@@ -263,7 +263,7 @@ def test_training_steps_equal_transformers_from_real_weights(sample_dir, tmp_pat
     losses = []
     for step in range(7):
         b = collate(enc, [(7 * step + j) % len(enc.ids) for j in range(7)])
-        pair = (ours(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"])[0],
+        pair = (ours(b["input_ids"], b["token_type_ids"], b["attention_mask"], labels=b["labels"]).loss,
                 hf(input_ids=b["input_ids"], token_type_ids=b["token_type_ids"], attention_mask=b["attention_mask"],
                    labels=b["labels"]).loss)
         for (model, opt, sched), loss in zip(sides, pair):
@@ -300,14 +300,14 @@ def test_warmup_factor_is_zero_at_the_first_step_like_transformers():
 def test_trial_first_update_leaves_the_weights_unchanged(tiny_model, sample_dir):
     """The trial's own schedule: learning rate 0 at step 0, the peak after the warmup steps."""
     data = read_task(str(sample_dir), TASKS["STS-B"])
-    recipe = FinetuneConfig(batch_size=4, num_epochs=2, warmup_proportion=0.25)
+    recipe = GlueConfig(batch_size=4, num_epochs=2, warmup_proportion=0.25)
     model = GlueTask(data).build_model(str(tiny_model), None)
-    optimizer, scheduler, total = make_optimizer(model, recipe, 1e-3, len(data.train))
+    optimizer, scheduler, total = optimizer_and_schedule(model, recipe, 1e-3, len(data.train))
     warmup = int(total * 0.25)
     assert warmup >= 2 and scheduler.get_last_lr() == [0.0, 0.0]
     before = [q.detach().clone() for q in model.parameters()]
     b = collate(encode(load_tokenizer(tiny_model, 128), data.train), range(4))
-    model(**b)[0].backward()
+    model(**b).loss.backward()
     optimizer.step()
     assert all(torch.equal(x, q) for x, q in zip(before, model.parameters()))
     for _ in range(warmup):
@@ -328,7 +328,7 @@ def test_eval_only_after_the_last_epoch_gives_the_same_score(tiny_model, sample_
 
 def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sample_dir):
     """An export whose config.json says dropout 0 (the `mini` preset pre-trains without it) fine-tunes without
-    dropout unless finetune.dropout sets it: then both rates are that value and training forwards are noisy."""
+    dropout unless glue.dropout sets it: then both rates are that value and training forwards are noisy."""
     from bertpipe.jobs.squad.config import SquadConfig
     from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
     from bertpipe.model.training import dropout_overrides
@@ -346,14 +346,14 @@ def test_finetune_dropout_overrides_an_export_pretrained_without_it(tmp_path, sa
                  model.dropout.p}
         b = collate(encode(load_tokenizer(tmp_path / "export", 128), data.train), range(8))
         model.train()
-        a, c = (model(b["input_ids"], b["token_type_ids"], b["attention_mask"])[1] for _ in range(2))
+        a, c = (model(b["input_ids"], b["token_type_ids"], b["attention_mask"]).logits for _ in range(2))
         return rates, not torch.equal(a, c)
 
     assert noisy_in_training(None) == ({0.0}, False)
     assert noisy_in_training(0.1) == ({0.1}, True)
     for bad in (1.0, -0.1):
-        with pytest.raises(ValueError, match="finetune.dropout"):
-            FinetuneConfig(dropout=bad)
+        with pytest.raises(ValueError, match="glue.dropout"):
+            GlueConfig(dropout=bad)
         with pytest.raises(ValueError, match="squad.dropout"):
             SquadConfig(dropout=bad)
 
@@ -369,7 +369,7 @@ def test_glue_predict_scores_and_predicts_a_fine_tuned_folder_without_training(t
     trials = {}
     for task in ("SST-2", "MNLI"):
         trials[task] = run_trial(tiny_model, GlueTask(read_task(str(sample_dir), TASKS[task])), 1e-2, 3,
-                                 FinetuneConfig(batch_size=16, num_epochs=1), save_dir=models / task)
+                                 GlueConfig(batch_size=16, num_epochs=1), save_dir=models / task)
     before = {p: p.read_bytes() for p in models.rglob("*") if p.is_file()}
     bertpipe = [str(Path(sys.executable).parent / "bertpipe"), "glue-predict"]
     out = subprocess.run([*bertpipe, str(models), "--glue-data-dir", str(sample_dir), "--out", str(tmp_path / "p")],

@@ -5,10 +5,11 @@ The clone and its `make run` are conftest's `clone` and `made_run` (tests/made_r
 offline, with DeepSpeed's JIT cache an empty folder, as on a new machine).
 
 Checked on that one run: the console (at most 80 lines, never silent for more than 15 s, no DeepSpeed op compiled,
-each stage's summary in its own unit, where everything is at the end), the pre-training ETA against the time the
-stage really took, and the commands the README and the end of the run print, run as printed in a shell without
-the venv: `make status`, `make ui` (serves the run's store on 127.0.0.1, then stopped like Ctrl-C does),
-`. .venv/bin/activate` then `bertpipe`, the printed `.venv/bin/mlflow ui ...` and its run URL.
+each stage's summary in its own unit, where everything is at the end), and the commands the README and the end of
+the run print, run as printed in a shell without the venv: `make status`, `make ui` (serves the run's store on
+127.0.0.1, then stopped like Ctrl-C does), `. .venv/bin/activate` then `bertpipe`, the printed `.venv/bin/mlflow ui
+...` and its run URL. (How close the pre-training ETA comes to the truth depends on the machine:
+benchmarks/bench_eta.py measures it; its arithmetic is tests/test_eta.py's, on a fake clock.)
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -31,10 +31,10 @@ from made_run import REPO, clean_env
 
 pytestmark = pytest.mark.integration
 
-STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
+STAGES = ["clean", "vocab", "pairs", "pretrain", "glue"]
 UNITS = {"clean": "documents", "vocab": "vocabulary entries", "pairs": "instances", "pretrain": "steps",
-         "finetune": "trials"}
-MAX_LINES, MAX_SILENCE_S, ETA_TOLERANCE = 80, 15.0, 0.25
+         "glue": "trials"}
+MAX_LINES, MAX_SILENCE_S = 80, 15.0
 
 
 @pytest.fixture(scope="module")
@@ -77,31 +77,6 @@ def test_each_stage_summary_uses_its_own_unit(run_ok):
     assert not any(" rows" in l for l in run_ok["stdout"]), "\n".join(run_ok["stdout"])
 
 
-def _eta_seconds(text: str) -> float:
-    h, m, s = (int(x) for x in re.search(r"ETA (\d+):(\d\d):(\d\d)", text).groups())
-    return 3600 * h + 60 * m + s
-
-
-def test_pretrain_eta_is_within_a_quarter_of_the_truth_from_step_10(run_ok):
-    """Every ETA the progress reported at step 10 or later (each one is in the run's log file, with its time),
-    against the time the pre-training stage really had left: until its `pretrain done` line."""
-    end = next(wall for _, wall, l in run_ok["lines"] if l.startswith("  pretrain done: "))
-    log_file = Path(_line(run_ok, "  log ").split()[-1])
-    reports = []
-    for line in log_file.read_text().splitlines():
-        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO bertpipe\.progress: pretrain: (\d+)/\d+ ", line)
-        if m and int(m.group(2)) >= 10 and "ETA" in line:
-            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            reports.append((int(m.group(2)), _eta_seconds(line), end - at))
-    assert reports, log_file.read_text()[-3000:]
-    # The ETA is shown in whole seconds, cut down (0:00:03 is an estimate in [3, 4) s): the estimate's distance to the
-    # truth is the distance from that second; a second of slack where a quarter of the truth is less than that.
-    wrong = [r for r in reports if max(r[1] - r[2], r[2] - (r[1] + 1), 0.0) > max(ETA_TOLERANCE * r[2], 1.0)]
-    table = "\n".join(f"step {s}: ETA {e:.0f} s, truth {t:.1f} s" for s, e, t in reports)
-    print(table)
-    assert not wrong, table
-
-
 # -- item 3: the end of the run ----------------------------------------------------------------------------------
 
 
@@ -134,7 +109,7 @@ def test_the_end_says_where_everything_is_and_what_to_do_next(run_ok):
     command = shlex.split(nxt.split("on real GLUE: ", 1)[1].split("  (")[0])
     assert command[0] == ".venv/bin/bertpipe" and (clone / command[0]).is_file(), nxt
     args = build_parser().parse_args(command[1:])
-    assert args.command == "run" and "finetune.glue_data_dir=GLUE_DIR" in args.overrides
+    assert args.command == "run" and "glue.glue_data_dir=GLUE_DIR" in args.overrides
 
 
 # -- item 1: the README's follow-up commands, in a clean shell ----------------------------------------------------
@@ -226,7 +201,7 @@ def test_readme_follow_up_commands_work_in_a_clean_shell(run_ok):
     done = subprocess.run(["bash", "-e", "-c", "\n".join(script)], cwd=clone, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    states = re.findall(r"^(clean|vocab|pairs|pretrain|finetune) +(\w+)", done.stdout, re.M)
+    states = re.findall(r"^(clean|vocab|pairs|pretrain|glue) +(\w+)", done.stdout, re.M)
     # make status, then bertpipe status: every stage fresh, twice
     assert states == [(s, "fresh") for s in STAGES] * 2, done.stdout
 

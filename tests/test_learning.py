@@ -10,7 +10,8 @@ import pyarrow as pa
 import pytest
 
 from bertpipe.jobs.config import load_config
-from bertpipe.jobs.pretrain.learning import baselines, best_threshold, curve_pngs
+from bertpipe.jobs.pretrain.baselines import baselines, best_threshold
+from bertpipe.jobs.pretrain.curves import curve_pngs
 from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, collate
 from bertpipe.pipeline.shards import shard_meta, shard_schema, write_shard
 

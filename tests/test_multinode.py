@@ -193,11 +193,11 @@ def test_a_glue_trial_on_a_lost_node_runs_again_elsewhere_and_is_no_task_failure
     from bertpipe.pipeline.stage import read_manifest
 
     glue = write_sample(str(tmp_path / "glue"))
-    sets = [f"finetune.init={tiny_bert}", f"finetune.glue_data_dir={glue}", "finetune.tasks=[SST-2]",
-            "finetune.learning_rates=[1e-3]", "finetune.num_epochs=40", "finetune.max_seq_length=32",
+    sets = [f"glue.init={tiny_bert}", f"glue.glue_data_dir={glue}", "glue.tasks=[SST-2]",
+            "glue.learning_rates=[1e-3]", "glue.num_epochs=40", "glue.max_seq_length=32",
             "mlflow.tracking_uri='off'"]
     with MultiNodeRay(head_cpus=0, node_cpus=(1, 1)) as rig:
-        run = Watched([str(BIN / "bertpipe"), "run", "--workdir", "w", "--only", "finetune", *QUIET,
+        run = Watched([str(BIN / "bertpipe"), "run", "--workdir", "w", "--only", "glue", *QUIET,
                        "--set", f"ray.address={rig.address}", *[a for s in sets for a in ("--set", s)]], tmp_path)
         wait_until(lambda: rig.busy_nodes(), "kill point", still_running=lambda: run.proc.poll() is None,
                    why_stopped=run.text, poll_s=0.5)
@@ -206,7 +206,7 @@ def test_a_glue_trial_on_a_lost_node_runs_again_elsewhere_and_is_no_task_failure
         rig.kill_busy_node()
         code = run.finish(300)
     assert code == 0, run.text()
-    manifest = read_manifest(str(tmp_path / "w" / "finetune"))
+    manifest = read_manifest(str(tmp_path / "w" / "glue"))
     assert {t: v["status"] for t, v in manifest["extra"]["tasks"].items()} == {"SST-2": "ok"}
     assert "failed" not in run.text() and "raylet" not in run.text()
 

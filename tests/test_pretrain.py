@@ -275,19 +275,16 @@ def test_diverging_run_stops_once_with_the_step_and_no_retry(ray_local, data, tm
     assert not (Path(tmp_path) / "pretrain" / "export").exists()
 
 
-def test_ray_train_polls_its_workers_every_half_second_unless_the_user_sets_it(tmp_path, monkeypatch):
-    """The end of a run and a dead worker are seen at the controller's next poll of its workers: 0.5 s apart, not
-    Ray's 2 s, reaching the controller through the variables Ray Train forwards to it; a value the user set stays."""
-    from ray.train.v2._internal.constants import HEALTH_CHECK_INTERVAL_S_ENV_VAR, get_env_vars_to_propagate
+def test_the_trainer_leaves_the_driver_s_environment_alone(tmp_path):
+    """Building the trainer changes no environment variable of the driver's process (Ray Train forwards them to its
+    controller: a setting there would outlive the stage)."""
+    import os
 
-    from bertpipe.jobs.pretrain.loop import WorkerSpec
     from bertpipe.jobs.pretrain.stage import trainer
+    from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 
     spec = WorkerSpec(pretrain=base_config(), model=ModelConfig(), seed=1, vocab_tokens=TOKENS, vocab_bytes=b"",
                       tracking={}, export_uri=str(tmp_path / "export"), storage_path=str(tmp_path), run_name="r")
-    monkeypatch.delenv(HEALTH_CHECK_INTERVAL_S_ENV_VAR, raising=False)
+    before = dict(os.environ)
     trainer(spec, {})
-    assert get_env_vars_to_propagate()[HEALTH_CHECK_INTERVAL_S_ENV_VAR] == "0.5"
-    monkeypatch.setenv(HEALTH_CHECK_INTERVAL_S_ENV_VAR, "3")
-    trainer(spec, {})
-    assert get_env_vars_to_propagate()[HEALTH_CHECK_INTERVAL_S_ENV_VAR] == "3"
+    assert dict(os.environ) == before

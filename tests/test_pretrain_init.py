@@ -24,7 +24,7 @@ from bertpipe.jobs.configtools import ConfigError
 from bertpipe.jobs.pretrain.config import FROM_INIT, ModelConfig
 from bertpipe.jobs.pretrain.init import heads_line, missing_heads
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
-from bertpipe.model.checkpoint import hf_state_dict
+from bertpipe.model.hf_format import hf_state_dict
 from bertpipe.pipeline.stage import StageInputError, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_each_worker_loads_the_weights_before_deepspeed(minilm, caplog):
     (seeded), and the one line names them."""
     from safetensors.torch import load_file
 
-    from bertpipe.jobs.pretrain.loop import build_model
+    from bertpipe.jobs.pretrain.engine import build_model
 
     init_config = json.loads((minilm / "config.json").read_text())
     with caplog.at_level(logging.INFO, logger="bertpipe.pretrain"):

@@ -11,7 +11,7 @@ import pytest
 
 from bertpipe.jobs.squad.data import Answer, Example, read_squad
 from bertpipe.jobs.squad.features import build_features, max_context_flags, windows
-from bertpipe.jobs.squad.metrics import best_null_threshold, evaluate, normalize_answer, score_question, token_f1
+from bertpipe.jobs.squad.metrics import best_null_threshold, normalize_answer, score_question, squad_scores, token_f1
 from bertpipe.jobs.squad.predict import apply_threshold, predict_answers
 from bertpipe.pipeline.stage import StageInputError
 
@@ -46,14 +46,14 @@ def test_f1_and_exact_match_by_hand():
 
 def test_evaluate_averages_and_counts_missing_predictions_as_wrong():
     gold = {"a": ["Paris"], "b": ["blue sky"], "c": ["42"]}
-    out = evaluate(gold, {"a": "paris", "b": "sky"})
+    out = squad_scores(gold, {"a": "paris", "b": "sky"})
     assert out["exact_match"] == pytest.approx(1 / 3)
     assert out["f1"] == pytest.approx((1 + 2 / 3 + 0) / 3)  # "sky" vs "blue sky": P 1, R 1/2
 
 
 def test_v2_splits_and_null_threshold_by_hand():
     gold = {"q1": ["Paris"], "q2": [], "q3": ["blue sky"]}
-    out = evaluate(gold, {"q1": "Paris", "q2": "", "q3": ""}, version_2=True)
+    out = squad_scores(gold, {"q1": "Paris", "q2": "", "q3": ""}, version_2=True)
     assert (out["HasAns_exact_match"], out["NoAns_exact_match"], out["exact_match"]) == (0.5, 1.0, pytest.approx(2 / 3))
     spans, margins = {"q1": "Paris", "q2": "London", "q3": "sky"}, {"q1": -2.0, "q2": 1.0, "q3": 3.0}
     # Sorted by margin q1, q2, q3. All null: q2 right -> 1/3. t=-2 answers q1: 2/3. t=1 also answers q2 wrongly:
@@ -156,9 +156,9 @@ def test_v2_file_built_from_real_paragraphs(tmp_path):
     assert s.examples[3].answers == ()  # plausible answers are not references
     gold = {e.qid: [a.text for a in e.answers] for e in s.examples}
     right = {e.qid: (e.answers[0].text if e.answers else "") for e in s.examples}
-    assert evaluate(gold, right, version_2=True)["f1"] == 1.0
+    assert squad_scores(gold, right, version_2=True)["f1"] == 1.0
     wrong_null = dict(right, noans1="Denver Broncos")
-    out = evaluate(gold, wrong_null, version_2=True)
+    out = squad_scores(gold, wrong_null, version_2=True)
     assert (out["HasAns_f1"], out["NoAns_f1"], out["f1"]) == (1.0, 0.0, 0.75)
 
 

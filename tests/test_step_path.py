@@ -1,4 +1,4 @@
-"""The pre-training step path on CPU, without Ray (one process, gloo, the engine loop.build_engine builds):
+"""The pre-training step path on CPU, without Ray (one process, gloo, the engine engine.build_engine builds):
 nothing reads a device tensor to the host between two logging windows, a non-finite loss or gradient norm stops
 the run with one line naming the step, bf16 drops DeepSpeed's per-gradient overflow check, and a compiled model
 computes what the eager one does."""
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import engine_helpers as eh
-from bertpipe.jobs.pretrain import loop
+from bertpipe.jobs.pretrain import loop, worker
+from bertpipe.jobs.pretrain.engine import compile_enabled
+from bertpipe.jobs.pretrain.masking import batch_rng, collate
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.meter import Meter, NonFiniteError
@@ -71,9 +73,10 @@ def config(**kw) -> PretrainConfig:
 def train(w, cfg, batches, steps=None):
     """run_epoch over `batches` with the phase set up as run_phase sets it; returns (position, last metrics)."""
     phase = cfg.phases[0]
+    w.clock.start_phase(0)
     w.engine.set_train_micro_batch_size(phase.micro_batch_size)
     w.engine.set_train_batch_size(phase.global_batch_size)
-    return loop.run_epoch(w, Meter(w.device), loop.Position(), steps or cfg.max_steps, {}, batches)
+    return loop.run_epoch(w, worker.Position(), steps or cfg.max_steps, {}, batches)
 
 
 @pytest.mark.parametrize("precision, zero, optimizer", [("bf16", 1, "adamw"), ("bf16", 2, "lamb"),
@@ -135,11 +138,11 @@ def test_meter_sums_what_the_model_returned():
     with eh.process_group():
         w = eh.worker(cfg)
         meter = Meter(w.device)
-        outs, spec = [], loop.masking_spec(w, cfg.phases[0])
+        outs, spec = [], worker.masking_spec(w, cfg.phases[0])
         for i, raw in enumerate(eh.raw_batches(3, 4, 32)):
-            batch = loop.to_device(loop.collate(raw, spec, loop.batch_rng(1, 0, 0, 0, i)), w.device)
+            batch = worker.to_device(collate(raw, spec, batch_rng(1, 0, 0, 0, i)), w.device)
             with torch.no_grad():
-                out = loop.forward(w, batch)
+                out = worker.forward(w, batch)
             meter.add(out, batch["attention_mask"], 0.0)
             outs.append((out, int(batch["attention_mask"].sum())))
         s = meter.summary(1)
@@ -181,7 +184,7 @@ def test_gpu_presets_fill_the_card(preset):
     from bertpipe.jobs.config import load_config
 
     cfg = load_config(preset).pretrain  # loading checks every value and combination
-    assert cfg.use_gpu and loop.compile_enabled(cfg) and layout_warning(cfg) == ""
+    assert cfg.use_gpu and compile_enabled(cfg) and layout_warning(cfg) == ""
     first = cfg.phases[0]
     assert first.max_seq_length == 128 and first.micro_batch_size >= 64
     assert first.global_batch_size == {"bert_large": 256, "bert_large_lamb": 65536}[preset]

@@ -32,7 +32,7 @@ def _result() -> TrialResult:
 
 
 def _kept_part(stage: Path) -> Path:
-    """A committed trial part as the finetune stage leaves it: a model file, then the marker."""
+    """A committed trial part as the glue stage leaves it: a model file, then the marker."""
     (stage / PART / "model").mkdir(parents=True)
     (stage / PART / "model" / "model.safetensors").write_bytes(b"weights")
     kept.save(str(stage), PART, "key-1", _result())
@@ -40,9 +40,9 @@ def _kept_part(stage: Path) -> Path:
 
 
 def test_kept_trials_survive_the_workdir_cleanup_and_nothing_else_does(tmp_path):
-    stage = tmp_path / "finetune"
+    stage = tmp_path / "glue"
     stage.mkdir()
-    run_id = outputs.claim(str(stage), "finetune")  # a run starts, keeps one trial, writes a file, then fails
+    run_id = outputs.claim(str(stage), "glue")  # a run starts, keeps one trial, writes a file, then fails
     part = _kept_part(stage)
     (stage / "smoke_glue").mkdir()
     (stage / "smoke_glue" / "README.txt").write_text("left by the failed run")
@@ -53,7 +53,7 @@ def test_kept_trials_survive_the_workdir_cleanup_and_nothing_else_does(tmp_path)
         **{**_result().__dict__,
            "outputs": {"test_predictions": {"SST-2": [["0", "1"], [1, 0]]}}})  # JSON: tuples as lists
 
-    outputs.claim(str(stage), "finetune")  # the rerun
+    outputs.claim(str(stage), "glue")  # the rerun
     assert sorted(p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()) == [
         "_RUN.json", f"{PART}/_DONE.json", f"{PART}/model/model.safetensors"]
     # A kept result is reused only under its key and with its files intact.
@@ -64,9 +64,9 @@ def test_kept_trials_survive_the_workdir_cleanup_and_nothing_else_does(tmp_path)
     # A file no marker lists, inside a part, is not ours: the run stops and deletes nothing.
     (part / "notes.txt").write_text("mine")
     with pytest.raises(ForeignFilesError, match="notes.txt"):
-        outputs.claim(str(stage), "finetune")
+        outputs.claim(str(stage), "glue")
     (part / "notes.txt").unlink()
-    outputs.claim(str(stage), "finetune", keep_parts=False)  # --force: recompute everything
+    outputs.claim(str(stage), "glue", keep_parts=False)  # --force: recompute everything
     assert not (stage / "_trials").exists() and parts.count(str(stage)) == 0
 
 
@@ -93,34 +93,34 @@ def test_a_failed_glue_task_fails_the_run_and_the_rerun_retries_only_it(ray_loca
     lines[3] = "1\tonly two fields"  # line 4 of the file
     train.write_text("\n".join(lines))
     work, tracking = tmp_path / "w", f"sqlite:///{tmp_path}/w/mlflow.db"
-    sets = [f"finetune.init={tiny_bert}", f"finetune.glue_data_dir={glue}", "finetune.tasks=[MRPC,SST-2]",
-            "finetune.learning_rates=[1e-3]", "finetune.num_epochs=1", "finetune.max_seq_length=32",
-            "finetune.max_train_examples=16", f"mlflow.tracking_uri={tracking}"]
+    sets = [f"glue.init={tiny_bert}", f"glue.glue_data_dir={glue}", "glue.tasks=[MRPC,SST-2]",
+            "glue.learning_rates=[1e-3]", "glue.num_epochs=1", "glue.max_seq_length=32",
+            "glue.max_train_examples=16", f"mlflow.tracking_uri={tracking}"]
     args = ["--workdir", str(work), *[a for s in sets for a in ("--set", s)]]
 
-    assert main(["run", "--only", "finetune", *args]) == 2  # bad input: a user error
+    assert main(["run", "--only", "glue", *args]) == 2  # bad input: a user error
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3, err  # the stage and its cause, the log file, the resume command: no WARNING lines
-    assert err[0].startswith(f"bertpipe: stage finetune failed: 1 of 2 requested GLUE tasks failed: MRPC: {train}:4: "
+    assert err[0].startswith(f"bertpipe: stage glue failed: 1 of 2 requested GLUE tasks failed: MRPC: {train}:4: "
                              "malformed row") and "1 finished trial kept" in err[0]
-    assert read_manifest(str(work / "finetune")) is None  # nothing calls the stage fresh
-    assert (work / "finetune" / PART / "_DONE.json").is_file()
+    assert read_manifest(str(work / "glue")) is None  # nothing calls the stage fresh
+    assert (work / "glue" / PART / "_DONE.json").is_file()
     assert _trial_runs(tracking) == ["SST-2-lr0.001-seed1"]
     assert main(["status", "--json", *args]) == 0
-    row = {r["stage"]: r for r in json.loads(capsys.readouterr().out)}["finetune"]
+    row = {r["stage"]: r for r in json.loads(capsys.readouterr().out)}["glue"]
     assert row["state"] == "missing" and "kept 1 finished trial" in row["problem"]
 
     train.write_bytes(good)  # the fix; then the command the failure printed
     resume = shlex.split(err[2].split("resume with: ", 1)[1])
     assert main(resume[1:]) == 0
     assert _trial_runs(tracking) == ["MRPC-lr0.001-seed1", "SST-2-lr0.001-seed1"]  # only MRPC's trial ran again
-    manifest = read_manifest(str(work / "finetune"))
+    manifest = read_manifest(str(work / "glue"))
     assert {t: v["status"] for t, v in manifest["extra"]["tasks"].items()} == {"MRPC": "ok", "SST-2": "ok"}
     assert manifest["metrics"]["num_trials_kept"] == 1 and manifest["num_rows"] == 2
     # the explicit initial model is one of the stage's raw inputs: another checkpoint there makes it stale
     assert any(r["uri"].endswith("model.safetensors") for r in manifest["raw_inputs"]), manifest["raw_inputs"]
     assert not any(f["path"].startswith("_trials/") for f in manifest["files"])
-    assert sorted(p.name for p in (work / "finetune" / "models").iterdir()) == ["MRPC", "SST-2"]
+    assert sorted(p.name for p in (work / "glue" / "models").iterdir()) == ["MRPC", "SST-2"]
     capsys.readouterr()
     assert main(["status", "--json", *args]) == 0
-    assert {r["stage"]: r["state"] for r in json.loads(capsys.readouterr().out)}["finetune"] == "fresh"
+    assert {r["stage"]: r["state"] for r in json.loads(capsys.readouterr().out)}["glue"] == "fresh"

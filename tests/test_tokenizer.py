@@ -211,7 +211,7 @@ def test_cased_model_fine_tunes_cased(tmp_path):
     files (older ones) is read uncased, as before."""
     import numpy as np
 
-    from bertpipe.jobs.glue.config import FinetuneConfig
+    from bertpipe.jobs.glue.config import GlueConfig
     from bertpipe.jobs.glue.tasks import TASKS, Examples, TaskData
     from bertpipe.jobs.glue.trial import GlueTask, encode
     from bertpipe.jobs.tuning.inputs import read_model_files, write_model_files
@@ -229,7 +229,7 @@ def test_cased_model_fine_tunes_cased(tmp_path):
     texts = ["Paris is big", "paris is small", "The capital is big", "the capital is small"] * 2
     rows = Examples("train", texts, None, np.array([1, 0, 1, 0] * 2))
     task = GlueTask(TaskData(TASKS["SST-2"], rows, {"dev": rows}))
-    run_trial(trial_dir, task, 1e-3, 1, FinetuneConfig(batch_size=4, num_epochs=1), save_dir=tmp_path / "tuned")
+    run_trial(trial_dir, task, 1e-3, 1, GlueConfig(batch_size=4, num_epochs=1), save_dir=tmp_path / "tuned")
     assert json.loads((tmp_path / "tuned" / TOKENIZER_CONFIG).read_text())["do_lower_case"] is False
     assert transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tuned")).do_lower_case is False
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.jobs.glue.config import FinetuneConfig
+from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.glue.sample import write_sample
 from bertpipe.jobs.glue.tasks import TASKS, read_task
 from bertpipe.jobs.glue.trial import GlueTask
@@ -54,7 +54,7 @@ def tasks(tmp_path_factory) -> dict:
     conll = parse_conll("mem.txt", CONLL, ("PER", "LOC", "ORG", "MISC"))
     ner_cfg = NerConfig(batch_size=2, num_epochs=2, warmup_proportion=0.3)
     return {
-        "glue": (GlueTask(glue), FinetuneConfig(batch_size=16, num_epochs=2, warmup_proportion=0.3,
+        "glue": (GlueTask(glue), GlueConfig(batch_size=16, num_epochs=2, warmup_proportion=0.3,
                                                 max_seq_length=64)),
         "squad": (SquadTask(SquadData(train.examples, evaluation.examples, False)),
                   SquadConfig(batch_size=2, num_epochs=2, warmup_proportion=0.3, max_seq_length=64,
@@ -120,7 +120,7 @@ def test_bf16_autocast_runs_the_forward_passes_in_bf16_where_asked(name, bert, t
             del task.build_model
         assert seen and set(seen) == {dtype}, (precision, set(seen))
         assert all(torch.isfinite(torch.tensor(row["train_loss"])) for row in r.history)
-    assert FinetuneConfig().bf16 is False and FinetuneConfig(gpus_per_trial=1).bf16 is True  # auto: GPU only
+    assert GlueConfig().bf16 is False and GlueConfig(gpus_per_trial=1).bf16 is True  # auto: GPU only
 
 
 def test_select_best_keeps_the_best_dev_epoch_and_exports_it_with_label_names(bert, tasks, tmp_path):
@@ -143,7 +143,7 @@ def test_select_best_keeps_the_best_dev_epoch_and_exports_it_with_label_names(be
     assert config["id2label"] == {"0": "contradiction", "1": "entailment", "2": "neutral"}
     last = run_trial(bert, task, 2e-2, 11, dataclasses.replace(recipe, select="last"))
     assert last.epoch == 4 and last.history == r.history  # the choice changes what is kept, not the training
-    with pytest.raises(ValueError, match="select best .* needs finetune.eval_each_epoch true"):
-        FinetuneConfig(select="best", eval_each_epoch=False)
+    with pytest.raises(ValueError, match="select best .* needs glue.eval_each_epoch true"):
+        GlueConfig(select="best", eval_each_epoch=False)
     with pytest.raises(ValueError, match="squad.precision must be one of auto, fp32, bf16"):
         SquadConfig(precision="fp16")

@@ -36,11 +36,11 @@ def test_console_is_short_and_says_what_runs(watched):
     assert watched["rc"] == 0, "\n".join(watched["stderr"][-30:])
     everything = watched["stdout"] + watched["stderr"]
     assert len(everything) <= 100, "\n".join(everything)
-    for k, stage in enumerate(["clean", "vocab", "pairs", "pretrain", "finetune"], 1):
+    for k, stage in enumerate(["clean", "vocab", "pairs", "pretrain", "glue"], 1):
         assert any(line.startswith(f"[stage {k}/5] {stage}: running") for line in watched["stdout"])
     steps = _steps()
     assert any(re.match(rf"  pretrain: \d+/{steps} \(\d+%\) steps · loss [\d.]+", line) for line in watched["stdout"])
-    assert any(re.match(r"  finetune: (\d+)/\1 \(100%\) steps · trials (\d+)/\2 · best [\d.]+", line)
+    assert any(re.match(r"  glue: (\d+)/\1 \(100%\) steps · trials (\d+)/\2 · best [\d.]+", line)
                for line in watched["stdout"]), "\n".join(watched["stdout"])
     assert any(re.fullmatch(r"stage +status +output +time", line) for line in watched["stdout"])
     assert any(line.startswith("GLUE score") for line in watched["stdout"])
@@ -127,14 +127,14 @@ def test_failed_stage_is_marked_failed_with_error_and_traceback(watched, tmp_pat
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     workdir = tmp_path / "failing-work"
     shutil.copytree(watched["workdir"], workdir)
-    one_trial = ["finetune.tasks=[MRPC]", "finetune.learning_rates=[1e-4]", "finetune.num_epochs=1"]
+    one_trial = ["glue.tasks=[MRPC]", "glue.learning_rates=[1e-4]", "glue.num_epochs=1"]
     proc = subprocess.run([str(BIN / "bertpipe"), "run", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
-                           "--only", "finetune", "--set", f"finetune.init={broken}",
+                           "--only", "glue", "--set", f"glue.init={broken}",
                            *[a for s in one_trial for a in ("--set", s)]], cwd=watched["clone"],
                           env=user_env(watched["ray_tmp"]), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-3].startswith("bertpipe: stage finetune failed:")
-    assert (watched["workdir"] / "finetune" / "_MANIFEST.json").is_file()  # the shared run is untouched
+    assert proc.stderr.strip().splitlines()[-3].startswith("bertpipe: stage glue failed:")
+    assert (watched["workdir"] / "glue" / "_MANIFEST.json").is_file()  # the shared run is untouched
     client = _client(workdir)
     parent = max(_workflow_runs(client), key=lambda r: r.info.start_time)
     assert parent.info.status == "FAILED" and parent.data.tags["bertpipe.status"] == "failed"

@@ -146,6 +146,6 @@ def test_status_json_lists_every_stage(tmp_path, capsys):
     assert main(["status", "--config", "tiny", "--workdir", str(tmp_path), "--json",
                  "--set", "clean.input=" + str(tmp_path / "nope.xml.bz2")]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["stage"] for r in rows] == ["clean", "vocab", "pairs", "pretrain", "finetune"]
+    assert [r["stage"] for r in rows] == ["clean", "vocab", "pairs", "pretrain", "glue"]
     assert all(r["state"] == "missing" for r in rows)
     assert "nope.xml.bz2" in rows[0]["problem"]

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import engine_helpers as eh
-from bertpipe.jobs.pretrain import loop
+from bertpipe.jobs.pretrain import loop, worker
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
+from bertpipe.jobs.pretrain.masking import batch_rng, collate
 
 
 def run(cfg, precision, fast: bool, steps=4):
@@ -16,9 +17,9 @@ def run(cfg, precision, fast: bool, steps=4):
     installed = "get_grad_norm_direct" in zero.__dict__ and "unscale_and_clip_grads" in zero.__dict__
     if not fast:  # drop the instance methods: DeepSpeed's class methods answer again
         del zero.get_grad_norm_direct, zero.unscale_and_clip_grads
-    spec, norms = loop.masking_spec(w, cfg.phases[0]), []
+    spec, norms = worker.masking_spec(w, cfg.phases[0]), []
     for i, raw in enumerate(eh.raw_batches(steps, 8, 32)):
-        batch = loop.to_device(loop.collate(raw, spec, loop.batch_rng(1, 0, 0, 0, i)), w.device)
+        batch = worker.to_device(collate(raw, spec, batch_rng(1, 0, 0, 0, i)), w.device)
         loop.train_step(w, batch, 1000 + i)
         norms.append(float(w.engine.get_global_grad_norm()))
     weights = {k: p.detach().float().clone() for k, p in w.engine.module.named_parameters()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from bertpipe.jobs.tuning.inputs import check_init, describe, init_uri, read_model_files, require_file
+from bertpipe.jobs.tuning.inputs import check_init, file_checksums, init_uri, read_model_files, require_file
 from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.features.extract import Extractor
 from bertpipe.jobs.tuning.conll import read_conll
@@ -17,7 +17,7 @@ log = logging.getLogger("bertpipe.features")
 
 
 def describe_raw_inputs(cfg: FeaturesConfig) -> list[dict]:
-    return describe([cfg.input_file], "CoNLL file")
+    return file_checksums([cfg.input_file], "CoNLL file")
 
 
 def preflight(ctx: StageContext) -> None:

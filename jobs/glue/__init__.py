@@ -1,1 +1,1 @@
-"""GLUE on the fine-tuning engine (stage key `finetune`): one trial per (task x learning rate x seed)."""
+"""GLUE on the fine-tuning engine (stage key `glue`): one trial per (task x learning rate x seed)."""

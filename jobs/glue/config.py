@@ -1,4 +1,4 @@
-"""Typed config of the `finetune` stage (GLUE fan-out): the shared fine-tuning recipe (jobs/tuning/recipe.py)
+"""Typed config of the `glue` stage (GLUE fan-out): the shared fine-tuning recipe (jobs/tuning/recipe.py)
 plus GLUE's data and tasks. Frozen, keyword-only: YAML and `--set` fill it.
 
 Defaults follow the BERT paper's GLUE recipe (section 4.1): batch 32, 3 epochs, learning rate picked on dev
@@ -14,8 +14,8 @@ from bertpipe.pipeline.config import path_field
 
 
 @dataclass(frozen=True, kw_only=True)
-class FinetuneConfig(Recipe):
-    SECTION: ClassVar[str] = "finetune"
+class GlueConfig(Recipe):
+    SECTION: ClassVar[str] = "glue"
 
     # Folder holding one sub-folder per task (CoLA/, SST-2/, MNLI/...) in the official GLUE TSV layout; any
     # smart_open URI. Empty: the project's small smoke sample (NOT GLUE), written into the stage output.

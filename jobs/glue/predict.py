@@ -1,13 +1,13 @@
 """`bertpipe glue-predict`: a fine-tuned GLUE model (or the folder of them a sweep keeps) scored on dev and run on
 the test sets, without training: Hugging Face run_glue's --do_eval --do_predict without --do_train.
 
-MODEL is a folder the finetune stage keeps (<finetune output>/models/<task>/: config.json naming the task's labels,
-vocab.txt, the weights) or the folder holding such folders (<finetune output>/models/): every GLUE task with a
+MODEL is a folder the glue stage keeps (<glue output>/models/<task>/: config.json naming the task's labels,
+vocab.txt, the weights) or the folder holding such folders (<glue output>/models/): every GLUE task with a
 folder there is predicted (`--task` picks some). A single model folder's task is its folder's name, or `--task`.
 A folder without the task's classification head (a pre-trained BERT, another task's model) is refused in one line:
 its head would be freshly initialised and its predictions random.
 
-Written into --out: dev_scores.json (per task: each dev set's metrics and the task score, as the finetune stage
+Written into --out: dev_scores.json (per task: each dev set's metrics and the task score, as the glue stage
 reports them), submission/<name>.tsv per test set and submission.zip (with AX.tsv, predicted by the MNLI model,
 where the data has the diagnostic set). The data: --glue-data-dir (TSV or Hugging Face Parquet folders, as the stage
 reads them), else the project's smoke sample (NOT GLUE), written under --out.
@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from bertpipe.jobs.glue.config import FinetuneConfig
+from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.glue.tasks import GLUE_TASKS, TASKS, TaskSpec, get_task, read_task, task_present
 from bertpipe.pipeline import storage
 
@@ -39,11 +39,11 @@ def model_folders(model: str, tasks: list[str]) -> dict[str, str]:
     missing = [t for t in tasks if t not in found]
     if missing or not found:
         raise ValueError(f"{model} has no fine-tuned model folder for {', '.join(missing or GLUE_TASKS)} "
-                         "(expected <task>/config.json, as <finetune output>/models/ holds them)")
+                         "(expected <task>/config.json, as <glue output>/models/ holds them)")
     return found
 
 
-def check_head(model_dir: str, spec: TaskSpec) -> None:
+def check_classifier_head(model_dir: str, spec: TaskSpec) -> None:
     """ValueError unless config.json describes a sequence classifier with the task's labels."""
     config = json.loads(Path(model_dir, "config.json").read_text())
     labels = list(config.get("id2label", {}).values())
@@ -54,7 +54,7 @@ def check_head(model_dir: str, spec: TaskSpec) -> None:
                          f"with labels {want}): its head would be random")
 
 
-def predict(model: str, glue_dir: str, out: str, tasks: list[str], recipe: FinetuneConfig) -> dict:
+def score_and_predict_tasks(model: str, glue_dir: str, out: str, tasks: list[str], recipe: GlueConfig) -> dict:
     """Score and predict every task; writes the files (module doc) and returns dev_scores.json's content."""
     from bertpipe.jobs.glue.metrics import glue_score  # scipy, torch: not at the CLI's start
     from bertpipe.jobs.glue.report import write_submission_files
@@ -65,7 +65,7 @@ def predict(model: str, glue_dir: str, out: str, tasks: list[str], recipe: Finet
 
     folders = model_folders(model, tasks)
     for task, folder in folders.items():
-        check_head(folder, TASKS[task])
+        check_classifier_head(folder, TASKS[task])
     glue_dir = glue_dir or write_sample(storage.join(out, "smoke_glue"))
     absent = [t for t in folders if not task_present(glue_dir, TASKS[t])]
     if absent:
@@ -88,9 +88,9 @@ def predict(model: str, glue_dir: str, out: str, tasks: list[str], recipe: Finet
 
 
 def cmd_glue_predict(args) -> int:
-    recipe = FinetuneConfig(eval_batch_size=args.eval_batch_size, max_seq_length=args.max_seq_length,
+    recipe = GlueConfig(eval_batch_size=args.eval_batch_size, max_seq_length=args.max_seq_length,
                             gpus_per_trial=1.0 if args.device == "cuda" else 0.0)
-    result = predict(args.model, args.glue_data_dir, args.out, list(args.task or []), recipe)
+    result = score_and_predict_tasks(args.model, args.glue_data_dir, args.out, list(args.task or []), recipe)
     for task, s in result["tasks"].items():
         dev = "  ".join(f"{name}.{m} {100 * v:.2f}" for name, ms in s["dev"].items() for m, v in ms.items())
         print(f"{task:<6} score {100 * s['score']:6.2f}  {dev}  test: {', '.join(s['test_sets']) or '-'}")
@@ -103,8 +103,8 @@ def cmd_glue_predict(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("glue-predict", help="score fine-tuned GLUE models on dev and predict the test sets "
                                             "(no training)", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", metavar="MODEL", help="a fine-tuned model folder (<finetune output>/models/<task>) or "
-                                                  "the folder of them (<finetune output>/models)")
+    p.add_argument("model", metavar="MODEL", help="a fine-tuned model folder (<glue output>/models/<task>) or "
+                                                  "the folder of them (<glue output>/models)")
     p.add_argument("--out", required=True, help="folder for dev_scores.json, submission/ and submission.zip")
     p.add_argument("--glue-data-dir", default="", metavar="DIR",
                    help="GLUE as TSV folders or Hugging Face Parquet folders (default: the smoke sample, NOT GLUE)")

@@ -117,7 +117,7 @@ def summary_table(outcomes: list[TaskOutcome], smoke: bool = False) -> tuple[lis
     paper, paper_complete = bert_paper_average({o.spec.name: _dev(o) for o in outcomes if o.best})
     cols = list(rows[0]) if rows else ["task"]
     md = [f"**{SMOKE_LABEL}**: these scores come from the project's built-in smoke sample, not from GLUE; set "
-          "finetune.glue_data_dir to the GLUE folders for real scores.", ""] if smoke else []
+          "glue.glue_data_dir to the GLUE folders for real scores.", ""] if smoke else []
     md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
     md.append("")

@@ -1,4 +1,4 @@
-"""The `finetune` stage: GLUE on the fine-tuning engine — one trial per (task × learning rate × seed), in
+"""The `glue` stage: GLUE on the fine-tuning engine — one trial per (task × learning rate × seed), in
 parallel on Ray (jobs/tuning/fanout.py).
 
 The driver reads every present task once (a bad file fails that task, with the file and line; the other tasks
@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from bertpipe.jobs.glue.config import FinetuneConfig
+from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.glue.report import (SMOKE_LABEL, TaskOutcome, as_fractions, scores, summary_table,
                                       write_submission)
 from bertpipe.jobs.glue.sample import write_sample
@@ -33,16 +33,16 @@ from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.identity import describe_file
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
-log = logging.getLogger("bertpipe.finetune")
+log = logging.getLogger("bertpipe.glue")
 
 
-def task_names(cfg: FinetuneConfig) -> tuple[str, ...]:
+def task_names(cfg: GlueConfig) -> tuple[str, ...]:
     for name in cfg.tasks:
         get_task(name)  # unknown task name → ValueError listing the valid ones
     return cfg.tasks or GLUE_TASKS
 
 
-def describe_raw_inputs(cfg: FinetuneConfig) -> list[dict[str, Any]]:
+def describe_raw_inputs(cfg: GlueConfig) -> list[dict[str, Any]]:
     """Size + checksum of every GLUE file the stage would read (none for the built-in smoke sample)."""
     if not cfg.glue_data_dir:
         return []
@@ -61,17 +61,17 @@ def split_uris(glue_dir: str, spec, fname: str) -> list[str]:
     return [storage.join(glue_dir, spec.name, fname)]
 
 
-def check_glue_dir(cfg: FinetuneConfig) -> None:
+def check_glue_dir(cfg: GlueConfig) -> None:
     """StageInputError naming every file a requested task lacks (train.tsv and its dev sets)."""
     if not cfg.glue_data_dir:
         return
     if not storage.exists(cfg.glue_data_dir):
-        raise StageInputError(f"finetune.glue_data_dir {cfg.glue_data_dir} does not exist")
+        raise StageInputError(f"glue.glue_data_dir {cfg.glue_data_dir} does not exist")
     present = [n for n in task_names(cfg) if storage.exists(storage.join(cfg.glue_data_dir, n))
                or task_present(cfg.glue_data_dir, TASKS[n])]
     wanted = list(cfg.tasks) or present
     if not wanted:
-        raise StageInputError(f"finetune.glue_data_dir {cfg.glue_data_dir} holds none of the GLUE task folders "
+        raise StageInputError(f"glue.glue_data_dir {cfg.glue_data_dir} holds none of the GLUE task folders "
                               f"({', '.join(GLUE_TASKS)}; or the Hugging Face nyu-mll/glue folders: "
                               f"{', '.join(HF_GLUE[t][0] for t in GLUE_TASKS)})")
     missing = [split_uri(cfg.glue_data_dir, TASKS[name], f) for name in wanted
@@ -83,13 +83,13 @@ def check_glue_dir(cfg: FinetuneConfig) -> None:
 
 def preflight(ctx: StageContext) -> None:
     """Before anything runs: an explicit init is a BERT checkpoint, and the GLUE folder has what the tasks need."""
-    cfg: FinetuneConfig = ctx.config["finetune"]
+    cfg: GlueConfig = ctx.config["glue"]
     task_names(cfg)
-    check_init(ctx, "finetune")
+    check_init(ctx, "glue")
     check_glue_dir(cfg)
 
 
-def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, parent: RunLogger,
+def plan_task(name: str, glue_dir: str, cfg: GlueConfig, ctx: StageContext, parent: RunLogger,
               raw_inputs: list[dict], model_digest: str) -> tuple[TaskOutcome, GlueTask | None, list]:
     """Read one task and plan its trials (none if absent or unreadable: the outcome says why)."""
     spec = TASKS[name]
@@ -107,14 +107,14 @@ def plan_task(name: str, glue_dir: str, cfg: FinetuneConfig, ctx: StageContext, 
         data = read_task(glue_dir, spec)
     except (ValueError, StageInputError) as e:
         outcome.status, outcome.error = "failed", str(e)
-        log.info("finetune: task %s failed to read: %s", name, e)  # the stage's error names it at the end
+        log.info("glue: task %s failed to read: %s", name, e)  # the stage's error names it at the end
         return outcome, None, []
     raw_inputs.extend(data.files if cfg.glue_data_dir else [])
     outcome.num_train = min(len(data.train), cfg.max_train_examples or len(data.train))
-    log.info("finetune: %s: %d train rows (%d used), dev %s, test %s", name, len(data.train), outcome.num_train,
+    log.info("glue: %s: %d train rows (%d used), dev %s, test %s", name, len(data.train), outcome.num_train,
              {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()})
-    base = kept.base_key("finetune", cfg, ctx.seed, model_digest, data.files, task=name)
-    return outcome, GlueTask(data), fanout.plan("finetune", cfg, ctx, outcome.run, base, group=name)
+    base = kept.base_key("glue", cfg, ctx.seed, model_digest, data.files, task=name)
+    return outcome, GlueTask(data), fanout.plan("glue", cfg, ctx, outcome.run, base, group=name)
 
 
 def gather(trials: list[fanout.Trial], outcomes: list[TaskOutcome], out_uri: str) -> None:
@@ -181,25 +181,25 @@ def write_report(out_uri: str, outcomes: list[TaskOutcome], smoke: bool) -> tupl
 
 def run_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
-    cfg: FinetuneConfig = ctx.config["finetune"]
+    cfg: GlueConfig = ctx.config["glue"]
     smoke = not cfg.glue_data_dir
     glue_dir = cfg.glue_data_dir or write_sample(storage.join(ctx.output_uri, "smoke_glue"), seed=ctx.seed)
     if smoke:
-        log.info("finetune: no glue_data_dir, using the project's smoke sample (NOT GLUE) at %s", glue_dir)
+        log.info("glue: no glue_data_dir, using the project's smoke sample (NOT GLUE) at %s", glue_dir)
     init = init_uri(ctx, cfg.init)
     model_files = read_model_files(init)
-    log.info("finetune: initial model %s; tasks %s", init, ", ".join(task_names(cfg)))
+    log.info("glue: initial model %s; tasks %s", init, ", ".join(task_names(cfg)))
     parent, raw_inputs = RunLogger(ctx.tracking), []
     planned = [plan_task(n, glue_dir, cfg, ctx, parent, raw_inputs, kept.files_digest(model_files))
                for n in task_names(cfg)]
     outcomes, trials = [o for o, _, _ in planned], [t for _, _, ts in planned for t in ts]
     parts.drop_all_but(ctx.output_uri, {t.part for t in trials if t.result is not None})  # other configs' trials
     num_kept = sum(t.result is not None for t in trials)
-    fanout.run_all("finetune", trials, {o.spec.name: task for o, task, _ in planned if task is not None},
+    fanout.run_all("glue", trials, {o.spec.name: task for o, task, _ in planned if task is not None},
                    model_files, cfg, ctx.output_uri)
     gather(trials, outcomes, ctx.output_uri)
     if not any(o.status == "ok" for o in outcomes):
-        raise StageInputError(f"finetune: no GLUE task present in {glue_dir}")
+        raise StageInputError(f"glue: no GLUE task present in {glue_dir}")
     report, submission = write_report(ctx.output_uri, outcomes, smoke)
     metrics = {**scores(outcomes), "num_trials": float(len(trials)), "num_trials_kept": float(num_kept),
                "num_tasks_ok": float(sum(o.status == "ok" for o in outcomes)),

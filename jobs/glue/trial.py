@@ -52,7 +52,7 @@ def predict(model, enc: Encoded, batch_size: int, is_regression: bool, device: s
     bare = Encoded(enc.ids, enc.types, None)
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        logits = model(**collate(bare, rows, device))[1].float().cpu()
+        logits = model(**collate(bare, rows, device)).logits.float().cpu()
         out[rows] = logits.squeeze(-1).numpy() if is_regression else logits.argmax(-1).numpy()
     return out
 

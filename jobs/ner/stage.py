@@ -19,7 +19,7 @@ from bertpipe.jobs.ner.trial import NerData, NerTask
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.conll import format_predictions, read_conll
-from bertpipe.jobs.tuning.inputs import check_train_eval, describe, init_uri, read_model_files
+from bertpipe.jobs.tuning.inputs import check_train_eval, file_checksums, init_uri, read_model_files
 from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext, StageResult
 
@@ -28,7 +28,7 @@ COUNTS = ("correct", "guessed", "gold")
 
 
 def describe_raw_inputs(cfg: NerConfig) -> list[dict]:
-    return describe([cfg.train_file, cfg.eval_file], "CoNLL file")
+    return file_checksums([cfg.train_file, cfg.eval_file], "CoNLL file")
 
 
 def load_data(cfg: NerConfig):

@@ -37,8 +37,7 @@ def predict_tags(model, rows: Rows, num_sentences: int, labels: tuple[str, ...],
     order = length_order(rows.input_ids)
     for k in range(0, len(order), batch_size):
         index = order[k:k + batch_size]
-        _, logits = model(**_inputs(rows, index, device))
-        best = logits.argmax(-1).cpu().numpy()
+        best = model(**_inputs(rows, index, device)).logits.argmax(-1).cpu().numpy()
         for j, r in enumerate(index):
             per_row[r] = [labels[best[j, p]] for p in rows.first_piece[r]]
     out: list[list[str]] = [[] for _ in range(num_sentences)]

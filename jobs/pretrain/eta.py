@@ -7,18 +7,22 @@ everything still scheduled:
   step (`step_cost`: the model's training FLOPs for the phase's batch and sequence length), so the switch from
   seq 128 to seq 512 is counted before it happens;
 - each data stream still to open: a new epoch (Ray Data starts an execution for each, seconds on a small machine;
-  every phase's first one is opened, and the held-out rows read, before the first step, loop.open_streams), priced by
-  the longest stream start measured;
+  every phase's first one is opened, and the held-out rows read, before the first step, streams.open_streams),
+  priced by the longest stream start measured;
 - each held-out evaluation still scheduled, and the final one: measured once one ran; before that, on a CPU, from
-  one held-out batch timed before the first step (loop.time_eval_batches), else its forward passes at the measured
-  training speed (a forward pass is about a third of a training step);
+  one held-out batch timed before the first step (evaluation.time_eval_batches), else its forward passes at the
+  measured training speed (a forward pass is about a third of a training step);
 - each checkpoint still scheduled, and the export: measured once a checkpoint ran; before that their bytes at an
-  assumed storage speed plus a fixed part.
+  assumed storage speed.
 
-What happens on the driver after the workers are done (Ray Train stopping them, the baselines, the registration)
-is the driver's to add (stage.TAIL_S). `Clock` holds the measurements (plain floats from `time.perf_counter()`, no
-device read: the step path stays free of host syncs); `Schedule` knows what is left from a step; `seconds_left`
-combines them.
+Everything is priced from this run's own measurements (the storage speed is assumed only until the first checkpoint
+was measured), nothing from a machine the code was tuned on. What follows the workers' last checkpoint (Ray Train
+stopping them, the driver's curves and registration) is measured by nothing before it runs: the ETA does not count
+it, and the progress line and the console say what runs then.
+
+`Clock` holds the measurements (plain floats from `time.perf_counter()`, no device read: the step path stays free of
+host syncs; clock.StepClock takes them where the loop marks); `Schedule` knows what is left from a step;
+`seconds_left` combines them.
 """
 from __future__ import annotations
 
@@ -26,8 +30,7 @@ from dataclasses import dataclass, field
 
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig, bert_config
 
-EVAL_BATCH = 32  # loop.evaluate's batch size
-FIXED_SAVE_S = 0.1  # a checkpoint's bookkeeping (Ray Train's report) before one was measured: 0.0-0.1 s measured
+EVAL_BATCH = 32  # evaluation.evaluate_heldout's batch size
 ASSUMED_BYTES_S = 200e6  # storage speed assumed for a checkpoint before one was measured
 STEADY_STEPS = 3  # steps of a phase before its own step time prices its remaining steps
 
@@ -143,7 +146,7 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
             return clock.eval_s[q]
         if q in clock.eval_batch_s:
             return s.eval_batches(q) * clock.eval_batch_s[q]
-        # Its rows were read before training (loop.read_heldout): only forward passes, about a third of a training
+        # Its rows were read before training (streams.heldout_batches): only forward passes, about a third of a training
         # step per sequence; every worker evaluates its share of the rows.
         per_sequence = step_s(q) / (cfg.phases[q].global_batch_size / s.world)
         return s.eval_batches(q) * EVAL_BATCH * per_sequence / 3
@@ -153,8 +156,7 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
     if clock.checkpoint_s is not None:  # the export writes the weights alone, at the speed a checkpoint was written
         checkpoint, export = clock.checkpoint_s, clock.checkpoint_s * export_bytes / per_rank
     else:
-        checkpoint = FIXED_SAVE_S + per_rank / ASSUMED_BYTES_S
-        export = FIXED_SAVE_S + export_bytes / ASSUMED_BYTES_S
+        checkpoint, export = per_rank / ASSUMED_BYTES_S, export_bytes / ASSUMED_BYTES_S
 
     total = 0.0
     bounds = s.bounds()
@@ -165,7 +167,7 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
         done = max(step - first + 1, 0)
         total += (n - done) * step_s(q)
         per_epoch = s.steps_per_epoch(q)
-        # Each epoch opens a data stream, except a phase's first, opened before training (loop.open_streams).
+        # Each epoch opens a data stream, except a phase's first, opened before training (streams.open_streams).
         if per_epoch:
             total += (-(-n // per_epoch) - max(-(-done // per_epoch), 1)) * stream
     for q, (first, last) in enumerate(bounds):  # evaluations and checkpoints from `step` on, before the last step

@@ -9,7 +9,7 @@ folder first (transformers' `convert_bert_original_tf_checkpoint_to_pytorch`).
 - In the stage's preflight (`missing_heads`): the weights' names and shapes, read from the safetensors header, are
   checked against the model and the heads the file lacks are named (one console line when the stage runs).
 - On each worker (`load_into`), before DeepSpeed wraps the model: the weights are copied in, through the loading
-  path of fine-tuning (jobs/tuning/inputs.py `read_model_files`, model/checkpoint.py `load_hf_state_dict`).
+  path of fine-tuning (jobs/tuning/inputs.py `read_model_files`, model/hf_format.py `load_hf_state_dict`).
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def missing_heads(uri: str, model_cfg, vocab_size: int) -> list[str]:
 
     from bertpipe.jobs.pretrain.config import bert_config
     from bertpipe.model import BertForPreTraining
-    from bertpipe.model.checkpoint import load_hf_state_dict
+    from bertpipe.model.hf_format import load_hf_state_dict
 
     bert = bert_config(model_cfg, vocab_size, read_config(uri))
     with torch.device("meta"):
@@ -140,7 +140,7 @@ def missing_heads(uri: str, model_cfg, vocab_size: int) -> list[str]:
 def heads_named(model, fresh: list[str]) -> list[str]:
     """Our parameter names → the Hugging Face names a user knows, a module whose parameters are all fresh as
     `module.*` (at most three levels deep: `cls.predictions.transform.*`)."""
-    from bertpipe.model.checkpoint import _name_map
+    from bertpipe.model.hf_format import _name_map
 
     names = _name_map(model)
     hf = [h for ours in fresh for h in names.get(ours, [ours])]
@@ -169,12 +169,12 @@ def load_into(model, uri: str) -> list[str]:
     """Copy the init's weights into `model` (a BertForPreTraining of its shape, built but not yet wrapped by
     DeepSpeed); returns the parameters the checkpoint lacked (they keep their initialisation, the same on every rank
     since every rank seeds it alike). Through fine-tuning's loading path: the files are read from the path or URI
-    into a local folder, then model/checkpoint.py reads them."""
+    into a local folder, then model/hf_format.py reads them."""
     import tempfile
     from pathlib import Path
 
     from bertpipe.jobs.tuning.inputs import read_model_files, write_model_files
-    from bertpipe.model.checkpoint import _read_weights, load_hf_state_dict
+    from bertpipe.model.hf_format import _read_weights, load_hf_state_dict
 
     with tempfile.TemporaryDirectory(prefix="pretrain-init-") as tmp:
         folder = write_model_files(read_model_files(uri), tmp)
@@ -184,8 +184,8 @@ def load_into(model, uri: str) -> list[str]:
 
 def describe_raw_inputs(cfg) -> list[dict[str, Any]]:
     """The init's files by size and checksum (the pretrain stage's fingerprint: another init reruns pre-training)."""
-    from bertpipe.jobs.tuning.inputs import MODEL_FILES, OPTIONAL_FILES, WEIGHT_FILES, describe
+    from bertpipe.jobs.tuning.inputs import MODEL_FILES, OPTIONAL_FILES, WEIGHT_FILES, file_checksums
 
     if not cfg.init:
         return []
-    return describe([storage.join(cfg.init, n) for n in (*MODEL_FILES, *OPTIONAL_FILES, *WEIGHT_FILES)], KEY)
+    return file_checksums([storage.join(cfg.init, n) for n in (*MODEL_FILES, *OPTIONAL_FILES, *WEIGHT_FILES)], KEY)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import time
 from typing import Any
@@ -29,9 +28,10 @@ from bertpipe.jobs.pretrain import identity
 from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, STATE_FILE, step_of, survey, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
-from bertpipe.jobs.pretrain.loop import WorkerSpec, train_loop_per_worker
+from bertpipe.jobs.pretrain.loop import train_loop_per_worker
 from bertpipe.jobs.pretrain.masking import COLUMNS
 from bertpipe.jobs.pretrain.meter import NonFiniteError
+from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline import storage
 from bertpipe.pipeline.paths import export_of
@@ -39,17 +39,6 @@ from bertpipe.pipeline.progress import ENABLED, doing, emit, remote_progress
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
-# Seconds the stage still takes once the workers are done, added to their ETA (jobs/pretrain/eta.py): Ray Train
-# stopping its workers, the learning curves, the model's registration (the baselines are computed during training).
-# Measured on 2-core machines (tiny), from the last step's progress line to `pretrain done`, less the final
-# evaluation, export and checkpoint the workers count: 4.5 to 5 s while the controller polled its workers every 2 s
-# (Ray's default), 2.5 s (1 s of Ray Train, 1.5 s of the driver's own) since it polls every HEALTH_CHECK_S.
-TAIL_S = 2.5
-# How often Ray Train's controller polls its workers (Ray's default: 2 s). The poll is how it learns that training
-# ended or a worker died, so every run's end and every retry waited up to one interval for it: on the tiny preset
-# 0-2 s of a stage whose steps take 7 s. A poll is one small remote call per worker. Set in the driver's
-# environment, which Ray Train forwards to its controller; a value the user set is kept.
-HEALTH_CHECK_S = "0.5"
 
 
 def console_line(text: str) -> None:
@@ -241,7 +230,6 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
     from ray.train.torch import TorchTrainer
 
     cfg = spec.pretrain
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_S)
     return TorchTrainer(
         train_loop_per_worker, train_loop_config={"spec": spec},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
@@ -332,7 +320,8 @@ def register(run: RunLogger, export_uri: str, registered_name: str, version_desc
 def final_baselines(ctx: StageContext, cfg: PretrainConfig, tokens: list[str]) -> dict:
     """The trivial predictors' held-out accuracy at the final evaluation's length (the phase it reads), with the
     plotting library loaded: run on the driver while the workers train, so that the stage's tail is short."""
-    from bertpipe.jobs.pretrain.learning import baselines, warm_plotting
+    from bertpipe.jobs.pretrain.baselines import baselines
+    from bertpipe.jobs.pretrain.curves import warm_plotting
     from bertpipe.jobs.pretrain.masking import MaskingSpec
     from bertpipe.pipeline.shards import list_shards
 
@@ -351,7 +340,7 @@ def write_learning(ctx: StageContext, base: dict, history: list[dict],
     """The baselines of the final held-out evaluation (`final_baselines`), and the loss/accuracy curves, written
     beside the export and logged to MLflow; returns the baselines and the files written (relative to the stage
     folder)."""
-    from bertpipe.jobs.pretrain.learning import curve_pngs
+    from bertpipe.jobs.pretrain.curves import curve_pngs
 
     files = {"baselines.json": json.dumps(base, indent=2).encode(),
              "history.json": json.dumps(history, indent=1).encode(), **curve_pngs(history, base)}
@@ -401,7 +390,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     watch = AttemptWatch(cfg.max_failures, run)
-    with remote_progress("pretrain", cfg.max_steps, "steps", _describe, tail_s=TAIL_S, watch=watch) as progress, \
+    with remote_progress("pretrain", cfg.max_steps, "steps", _describe, watch=watch) as progress, \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baselines") as driver_side:
         progress.set(0, doing=f"starting {cfg.num_workers} Ray Train workers")
         early_baselines = driver_side.submit(final_baselines, ctx, cfg, spec.vocab_tokens)

@@ -3,7 +3,7 @@
 DeepSpeed 0.19's `DeepSpeedZeroOptimizer.step` computes the global gradient norm with one `vector_norm` per
 parameter gradient, each on a float64 copy of the gradient (`get_grad_norm_direct`), and its
 `unscale_and_clip_grads` asks `is_invalid_grad_norm(norm)` — a `bool()` of a device tensor, i.e. a wait for the
-GPU — once per param group per step. `install` replaces both methods on one optimizer instance:
+GPU — once per param group per step. `install_fast_paths` replaces both methods on one optimizer instance:
 
 - the norm: one `torch._foreach_norm` over the gradients (multi-tensor kernels on CUDA), accumulated in the same
   dtype as DeepSpeed's, same filter (no alignment padding, no pipeline-replicated or model-parallel duplicates),
@@ -69,7 +69,7 @@ def _unscale_and_clip(self, grad_groups_flat, total_norm):
             g.data.mul_(1. / combined_scale)
 
 
-def install(engine: Any) -> bool:
+def install_fast_paths(engine: Any) -> bool:
     """Replace the two methods on the engine's ZeRO 1/2 optimizer; False (nothing changed) for other wrappers."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

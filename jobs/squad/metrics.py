@@ -48,7 +48,7 @@ def score_question(prediction: str, answers: list[str], version_2: bool) -> tupl
     return max(exact_match(prediction, r) for r in refs), max(token_f1(prediction, r) for r in refs)
 
 
-def evaluate(gold: dict[str, list[str]], predictions: dict[str, str], version_2: bool = False) -> dict[str, float]:
+def squad_scores(gold: dict[str, list[str]], predictions: dict[str, str], version_2: bool = False) -> dict[str, float]:
     """exact_match and f1 in [0, 1] over every question of `gold` (qid -> reference texts, [] = unanswerable);
     a question without a prediction scores 0. v2.0 adds HasAns_/NoAns_ exact and f1 and the counts."""
     em, f1 = {}, {}

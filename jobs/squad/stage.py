@@ -20,7 +20,7 @@ from bertpipe.jobs.squad.data import read_squad
 from bertpipe.jobs.squad.trial import SquadData, SquadTask
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
-from bertpipe.jobs.tuning.inputs import check_train_eval, describe, init_uri, read_model_files
+from bertpipe.jobs.tuning.inputs import check_train_eval, file_checksums, init_uri, read_model_files
 from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
 
@@ -29,7 +29,7 @@ SHOWN = ("exact_match", "f1")
 
 
 def describe_raw_inputs(cfg: SquadConfig) -> list[dict]:
-    return describe([cfg.train_file, cfg.eval_file], "SQuAD file")
+    return file_checksums([cfg.train_file, cfg.eval_file], "SQuAD file")
 
 
 def load_data(cfg: SquadConfig) -> SquadData:

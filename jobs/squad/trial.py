@@ -11,7 +11,7 @@ import torch
 
 from bertpipe.jobs.squad.data import Example
 from bertpipe.jobs.squad.features import Features, build_features
-from bertpipe.jobs.squad.metrics import best_null_threshold, evaluate
+from bertpipe.jobs.squad.metrics import best_null_threshold, squad_scores
 from bertpipe.jobs.squad.predict import apply_threshold, predict_answers
 from bertpipe.jobs.tuning.loop import Evaluation, length_order, pad_rows, subsample_index
 
@@ -37,8 +37,8 @@ def logits_of(model, feats: Features, batch_size: int, device: str) -> tuple[lis
     order = length_order(feats.input_ids)
     for k in range(0, len(order), batch_size):
         rows = order[k:k + batch_size]
-        _, s, e = model(**_inputs(feats, rows, device))
-        s, e = s.float().cpu().numpy(), e.float().cpu().numpy()
+        out = model(**_inputs(feats, rows, device))
+        s, e = out.start_logits.float().cpu().numpy(), out.end_logits.float().cpu().numpy()
         for j, r in enumerate(rows):
             n = len(feats.input_ids[r])
             starts[r], ends[r] = s[j, :n], e[j, :n]
@@ -49,10 +49,10 @@ def score_predictions(data: SquadData, texts: dict[str, str], margins: dict[str,
     """(metrics, official predictions): v2.0 answers "" above the null threshold that maximises F1 here."""
     gold = {e.qid: [a.text for a in e.answers] for e in data.eval}
     if not data.version_2:
-        return evaluate(gold, texts), texts
+        return squad_scores(gold, texts), texts
     threshold, _ = best_null_threshold(gold, texts, margins)
     predictions = apply_threshold(texts, margins, threshold)
-    return {**evaluate(gold, predictions, version_2=True), "null_threshold": threshold}, predictions
+    return {**squad_scores(gold, predictions, version_2=True), "null_threshold": threshold}, predictions
 
 
 class SquadTask:

@@ -27,7 +27,7 @@ from bertpipe.pipeline import parts, storage
 from bertpipe.pipeline.stage import StageContext
 
 log = logging.getLogger("bertpipe.tuning")
-TRIAL_KIND = {"finetune": "glue_trial", "squad": "squad_trial", "ner": "ner_trial"}  # the runs' bertpipe.kind tag
+TRIAL_KIND = {"glue": "glue_trial", "squad": "squad_trial", "ner": "ner_trial"}  # the runs' bertpipe.kind tag
 
 
 @dataclass

@@ -97,6 +97,6 @@ def write_model_files(files: dict[str, bytes], directory: str) -> str:
     return directory
 
 
-def describe(uris: list[str], what: str) -> list[dict[str, Any]]:
+def file_checksums(uris: list[str], what: str) -> list[dict[str, Any]]:
     """Size + checksum of each distinct file (they enter the stage's fingerprint and manifest)."""
     return [describe_file(u, what) for u in dict.fromkeys(u for u in uris if u) if storage.is_file(u)]

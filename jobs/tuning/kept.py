@@ -48,7 +48,7 @@ def save(stage_uri: str, part: str, key: str, result: Any) -> None:
 
 def restore(stage_uri: str, part: str, key: str, cls: type[T]) -> T | None:
     """The kept result of a trial with this key, or None (none kept, another key, a file gone, another shape)."""
-    data = parts.load(stage_uri, part, key)
+    data = parts.load_committed(stage_uri, part, key)
     names = {f.name for f in dataclasses.fields(cls)}
     if data is None or set(data) != names:
         return None

@@ -100,7 +100,7 @@ def length_order(rows: list[list[int]]) -> np.ndarray:
     return np.argsort([len(r) for r in rows], kind="stable")
 
 
-def make_optimizer(model: torch.nn.Module, recipe, learning_rate: float, num_rows: int):
+def optimizer_and_schedule(model: torch.nn.Module, recipe, learning_rate: float, num_rows: int):
     """AdamW (no decay on biases and LayerNorm) with the reference warmup, then linear decay over every step of
     the run. Returns (optimizer, scheduler, total steps)."""
     total = math.ceil(num_rows / recipe.batch_size) * recipe.num_epochs
@@ -147,7 +147,7 @@ def train_epoch(model: torch.nn.Module, task: TrialTask, rows: Sized, opt, sched
     count = 0
     for start in range(0, len(order), recipe.batch_size):
         with autocast(recipe):
-            loss = model(**task.batch(rows, order[start:start + recipe.batch_size], recipe.device))[0]
+            loss = model(**task.batch(rows, order[start:start + recipe.batch_size], recipe.device)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_grad_norm)
@@ -184,7 +184,7 @@ def run_trial(model_dir: str | Path, task: TrialTask, learning_rate: float, seed
     tok = load_tokenizer(model_dir, recipe.max_seq_length if task.truncate else None)
     rows = task.train_rows(tok, rng, recipe)
     model = task.build_model(str(model_dir), dropout_overrides(recipe.dropout)).to(recipe.device)
-    opt, sched, total = make_optimizer(model, recipe, learning_rate, len(rows))
+    opt, sched, total = optimizer_and_schedule(model, recipe, learning_rate, len(rows))
     progress = StepReport(report, total, recipe.num_epochs)
     history, chosen, best_state, train_s, eval_s = [], None, None, 0.0, 0.0
     for epoch in range(1, recipe.num_epochs + 1):

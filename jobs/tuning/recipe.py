@@ -17,7 +17,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    SECTION: ClassVar[str] = ""  # the config section errors name (finetune, squad, ner)
+    SECTION: ClassVar[str] = ""  # the config section errors name (glue, squad, ner)
 
     # A Hugging Face-layout BERT folder (config.json, vocab.txt, model.safetensors) to start from; any URI.
     # Empty: the pre-training export, <pretrain output>/export.

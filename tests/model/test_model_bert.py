@@ -113,11 +113,12 @@ def test_pretraining_matches_transformers(pad):
     ids, tt, am = batch(pad=pad)
     with torch.no_grad():
         out = ours(ids, tt, am)
-        seq, pooled = ours.bert(ids, tt, am)
+        encoded = ours.bert(ids, tt, am)
         ref = hf(input_ids=ids, token_type_ids=tt, attention_mask=am, output_hidden_states=True)
         ref_pooled = hf.bert(input_ids=ids, token_type_ids=tt, attention_mask=am).pooler_output
     assert out.mlm_logits.shape == (B, T, V)
-    for a, b in [(seq, ref.hidden_states[-1]), (pooled, ref_pooled), (out.mlm_logits, ref.prediction_logits),
+    for a, b in [(encoded.last_hidden_state, ref.hidden_states[-1]), (encoded.pooler_output, ref_pooled),
+                 (out.mlm_logits, ref.prediction_logits),
                  (out.nsp_logits, ref.seq_relationship_logits)]:
         assert a.shape == b.shape
         assert (a - b).abs().max() <= 1e-5
@@ -131,10 +132,9 @@ def test_padding_never_changes_real_positions():
     padded = padded_ids, torch.cat([tt[:, :5], torch.zeros(B, 2, dtype=torch.long)], 1), \
         (padded_ids != 0).long().index_fill(1, torch.arange(5), 1)
     with torch.no_grad():
-        seq_short, pooled_short = model(*short)
-        seq_padded, pooled_padded = model(*padded)
-    assert (seq_short - seq_padded[:, :5]).abs().max() <= 1e-6
-    assert (pooled_short - pooled_padded).abs().max() <= 1e-6
+        plain, with_pads = model(*short), model(*padded)
+    assert (plain.last_hidden_state - with_pads.last_hidden_state[:, :5]).abs().max() <= 1e-6
+    assert (plain.pooler_output - with_pads.pooler_output).abs().max() <= 1e-6
 
 
 def test_all_pad_row_gives_no_nan():
@@ -166,12 +166,15 @@ def test_task_heads_match_transformers(cls, hf_name, kwargs):
     else:
         labels = dict(labels=torch.randint(0, 3, (B,), generator=g))
     with torch.no_grad():
-        loss, *logits = ours(ids, tt, am, **labels)
+        out = ours(ids, tt, am, **labels)
         ref = hf(input_ids=ids, token_type_ids=tt, attention_mask=am, **labels)
-    ref_logits = [ref.start_logits, ref.end_logits] if cls is BertForQuestionAnswering else [ref.logits]
-    for a, b in zip(logits, ref_logits, strict=True):
+    # the same field names as transformers' outputs, so each is compared by name
+    names = ("start_logits", "end_logits") if cls is BertForQuestionAnswering else ("logits",)
+    assert out._fields == ("loss", *names)
+    for name in names:
+        a, b = getattr(out, name), getattr(ref, name)
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-5
-    assert abs(loss.item() - ref.loss.item()) <= 1e-5
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5
 
 
 # -------------------------------------------------------------------------------- our choices
@@ -274,3 +277,20 @@ def test_too_long_sequence_is_a_clear_error():
     model = BertModel(dataclasses.replace(TINY, max_position_embeddings=6))
     with pytest.raises(ValueError, match="max_position_embeddings 6"):
         model(*batch())
+
+
+@pytest.mark.parametrize("cls,kwargs", [(BertModel, {}), (BertForSequenceClassification, {"num_labels": 3}),
+                                        (BertForTokenClassification, {"num_labels": 4}),
+                                        (BertForQuestionAnswering, {})])
+def test_named_outputs_trace_whole_under_torch_compile(cls, kwargs):
+    """Each head's named output passes through torch.compile as one graph (fullgraph: a break would raise) and
+    keeps its type and field names; the compiled model computes what the eager one does."""
+    model = perturbed(cls(TINY, **kwargs)).eval()
+    ids, tt, am = batch()
+    with torch.no_grad():
+        eager = model(ids, tt, am)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(ids, tt, am)
+    assert type(compiled) is type(eager) and compiled._fields == eager._fields
+    for a, b in zip(eager, compiled, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -1,4 +1,5 @@
-"""Checkpoints in Hugging Face layout: `model.safetensors` + `config.json` + `vocab.txt`.
+"""The Hugging Face file format of BERT weights (what `from_pretrained` reads): `model.safetensors` + `config.json` +
+`vocab.txt`; the training checkpoints of pre-training are jobs/pretrain/checkpoints.py.
 
 Export writes the parameter names of the matching `transformers` class (BertForPreTraining, BertModel,
 BertForSequenceClassification, ...), so `transformers.<Class>.from_pretrained(dir)` loads it with no

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from bertpipe.model import (BertConfig, BertForPreTraining, BertForSequenceClassification, BertModel, hf_state_dict,
                    load_pretrained, save_pretrained)
 from bertpipe.model.bert import BertForQuestionAnswering, BertForTokenClassification
-from bertpipe.model.checkpoint import load_google_tf_arrays
+from bertpipe.model.hf_format import load_google_tf_arrays
 
 transformers = pytest.importorskip("transformers")
 
@@ -248,8 +248,8 @@ def test_real_minilm_weights_match_transformers():
     assert ours.config.num_hidden_layers == 6 and ours.config.hidden_size == 384
     hf = transformers.BertModel.from_pretrained(directory).eval()
     with torch.no_grad():
-        seq, pooled = ours(ids, tt, am)
+        out = ours(ids, tt, am)
         ref = hf(input_ids=ids, token_type_ids=tt, attention_mask=am)
     real = am.bool()
-    assert (seq - ref.last_hidden_state)[real].abs().max() <= 1e-5
-    assert (pooled - ref.pooler_output).abs().max() <= 1e-5
+    assert (out.last_hidden_state - ref.last_hidden_state)[real].abs().max() <= 1e-5
+    assert (out.pooler_output - ref.pooler_output).abs().max() <= 1e-5

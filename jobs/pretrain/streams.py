@@ -1,0 +1,108 @@
+"""A pre-training worker's data: its share of each epoch's training rows (Ray Train's dataset shard, streamed, order
+preserved so the split is deterministic), shuffled and length-binned by seeds of (epoch, rank), and its held-out
+rows, read once. Before the first step every stream the run opens at a known time is opened at once."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import numpy as np
+
+from bertpipe.jobs.pretrain.config import PhaseConfig
+from bertpipe.jobs.pretrain.eta import EVAL_BATCH
+from bertpipe.jobs.pretrain.heldout import read_heldout
+from bertpipe.jobs.pretrain.length_binning import length_binned
+from bertpipe.jobs.pretrain.worker import Position, Worker, seed_of
+
+log = logging.getLogger("bertpipe.pretrain")
+
+
+def epoch_batches(w: Worker, phase_index: int, epoch: int):
+    """This worker's micro-batches of one epoch of a phase, shuffled and length-binned with seeds of (epoch, rank)."""
+    import ray.train
+
+    cfg, phase = w.spec.pretrain, w.spec.pretrain.phases[phase_index]
+    batches = ray.train.get_dataset_shard(f"train_{phase.max_seq_length}").iter_batches(
+        batch_size=phase.micro_batch_size, batch_format="numpy", drop_last=True,
+        prefetch_batches=cfg.prefetch_batches, local_shuffle_buffer_size=cfg.shuffle_buffer_rows or None,
+        local_shuffle_seed=seed_of(w.spec.seed, phase_index, epoch, w.rank))
+    return length_binned(batches, cfg.length_bin_window,
+                         np.random.default_rng(seed_of(w.spec.seed, phase_index, epoch, w.rank, 2)))
+
+
+def micro_batches(w: Worker, phase_index: int, epoch: int, skip: int,
+                  batches=None) -> Iterator[tuple[int, dict, float]]:
+    """(index in the epoch, shard rows, when pulling them began) of each micro-batch of the epoch from index `skip`
+    on: the batches before it were consumed before the checkpoint a resumed worker starts from, and are dropped
+    without collating. `batches`: the rows in micro-batches (default this worker's share of the phase's dataset,
+    opened ahead by open_streams where it could be)."""
+    ahead = w.opened.pop((phase_index, epoch), None) if batches is None else None
+    if ahead is not None:
+        it = itertools.chain([ahead[0]] if ahead[0] is not None else [], ahead[1])
+    else:
+        it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch)
+    length = w.spec.pretrain.phases[phase_index].max_seq_length
+    for index in itertools.count():
+        pulled_at = time.perf_counter()
+        raw = next(it, None)
+        if index == 0 and ahead is None:  # the first batch of a new data stream: Ray Data starts an execution
+            opened = time.perf_counter() - pulled_at
+            w.clock.stream_opened(opened, before_training=False)
+            log.info("rank %d: seq %d data stream opened in %.1f s", w.rank, length, opened)
+        if raw is None:
+            if index == 0:
+                raise ValueError(f"worker {w.rank} got no batch at seq {length}: too few training rows for "
+                                 "num_workers × micro_batch_size")
+            return
+        if index >= skip:
+            yield index, raw, pulled_at
+
+
+def heldout_batches(w: Worker, phase: PhaseConfig) -> list[dict[str, np.ndarray]]:
+    """This worker's held-out rows at the phase's length (at most eval_max_batches batches of EVAL_BATCH, heldout.py),
+    read once: every evaluation reuses them."""
+    length = phase.max_seq_length
+    if length not in w.heldout:
+        started = time.perf_counter()
+        w.heldout[length] = read_heldout(w.spec.heldout[length], w.rank, w.world, w.spec.rows[f"heldout_{length}"],
+                                         w.spec.pretrain.eval_max_batches, EVAL_BATCH)
+        log.info("rank %d: %d held-out batches at seq %d read in %.1f s", w.rank, len(w.heldout[length]), length,
+                 time.perf_counter() - started)
+    return w.heldout[length]
+
+
+def open_streams(w: Worker, position: Position) -> None:
+    """Before the first step, every data stream the run opens at a known time, opened at once (in threads: Ray
+    Data starts an execution for each, seconds each on a small machine, mostly waiting on processes): the first
+    training epoch of every phase still to train, its first micro-batches pulled (micro_batches goes on from there),
+    and meanwhile each phase's held-out rows are read (heldout_batches). No phase switch and no evaluation waits
+    for data mid-training, and what is left after any step is predictable (eta.py)."""
+    cfg = w.spec.pretrain
+    ends = np.cumsum(cfg.phase_steps())
+    streams, heldout = {}, []
+    for q, (phase, steps) in enumerate(zip(cfg.phases, cfg.phase_steps())):
+        if not steps:
+            continue
+        heldout.append(phase)
+        if ends[q] > position.step and q >= position.phase:
+            epoch = position.epoch if q == position.phase else 0
+            streams[f"seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch)
+    w.doing(f"opening the training data streams ({', '.join(streams)})" if streams else "reading held-out data")
+    with ThreadPoolExecutor(max_workers=max(len(streams), 1), thread_name_prefix="open-stream") as pool:
+        futures = [pool.submit(*job) for job in streams.values()]
+        for phase in heldout:
+            heldout_batches(w, phase)
+        for future in futures:
+            future.result()
+
+
+def _open_epoch(w: Worker, phase_index: int, epoch: int) -> None:
+    started = time.perf_counter()
+    it = iter(epoch_batches(w, phase_index, epoch))
+    w.opened[(phase_index, epoch)] = (next(it, None), it)
+    opened = time.perf_counter() - started
+    w.clock.stream_opened(opened, before_training=True)
+    log.info("rank %d: training stream phase %d epoch %d opened in %.1f s", w.rank, phase_index, epoch, opened)
