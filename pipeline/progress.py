@@ -299,10 +299,11 @@ def _board():
     if job not in _BOARDS:
         # On the head node: a worker node that dies (or an autoscaler removes) must not take the progress of the
         # work with it. Not "the driver's node": several raylets on one host share its IP, and a driver may attach
-        # to any.
+        # to any. Hard affinity: a soft one placed a zero-CPU actor on another node in 1 of 3 tries (Ray 2.60), and
+        # the cluster does not outlive its head anyway.
         head = next((n["NodeID"] for n in ray.nodes()
-                     if n.get("Alive") and "node:__internal_head__" in n["Resources"]), context.get_node_id())
-        where = NodeAffinitySchedulingStrategy(head, soft=True)
+                     if n.get("Alive") and "node:__internal_head__" in n["Resources"]), None)
+        where = NodeAffinitySchedulingStrategy(head, soft=False) if head else "DEFAULT"
         _BOARDS.clear()
         _BOARDS[job] = ray.remote(num_cpus=0)(_Board).options(
             name=f"bertpipe-progress-{job[0]}", get_if_exists=True, scheduling_strategy=where).remote()

@@ -94,6 +94,37 @@ def test_a_plain_run_beside_a_running_cluster_starts_its_own_ray(inputs, tmp_pat
     assert json.loads((tmp_path / "w" / "pretrain" / "metrics.json").read_text())["step"] == 4
 
 
+_BOARD_PLACES = """
+import json, sys
+import ray
+from ray._private import state
+from bertpipe.pipeline import progress
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
+places = []
+for _ in range(int(sys.argv[2])):
+    board = progress.shared_board()
+    ray.get(board.read.remote("x"))
+    mine = [a for a in state.actors().values() if a["Name"].startswith("bertpipe-progress-") and a["State"] == "ALIVE"]
+    places.append(mine[0]["Address"]["NodeID"] == head)
+    ray.kill(board)
+    progress._BOARDS.clear()
+print(json.dumps(places))
+"""
+
+
+def test_the_progress_board_lives_on_the_head_node(tmp_path):
+    """The driver's progress board must outlive any worker node: it is made on the head, every time (a soft
+    placement put it on a worker node in 1 of 3 tries, and a lost node then froze the progress and hid the
+    restart's line)."""
+    with MultiNodeRay(head_cpus=1, node_cpus=(1, 1, 1)) as rig:
+        done = subprocess.run([sys.executable, "-c", _BOARD_PLACES, rig.address, "6"], cwd=tmp_path, env=cli_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True] * 6
+
+
 def test_pretrain_waits_for_the_node_a_growing_cluster_adds_then_trains(inputs, tmp_path):
     with MultiNodeRay(head_cpus=1) as rig:  # 1 CPU: two 1-CPU workers and a data CPU do not fit
         run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}",
@@ -122,7 +153,6 @@ def test_a_wait_that_runs_out_ends_in_the_three_lines(inputs, tmp_path):
     assert "pretrain: waiting for 3 CPUs" in run.stdout
 
 
-@pytest.mark.slow  # failed 2 of 7 runs under load: the progress line froze with the killed node (see the note)
 def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_nodes_left(inputs, tmp_path):
     """Two 1-CPU workers on two of three 1-CPU worker nodes (the head's CPU is for data); the node of one of them is
     killed (kill -9 of its raylet) once the first checkpoint is written. Ray Train restarts the workers on the nodes
