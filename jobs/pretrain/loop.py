@@ -2,10 +2,11 @@
 
 One DeepSpeed engine per worker trains through the phases (seq 128, then 512) on its share of the shards
 (`ray.train.get_dataset_shard`, streamed, order preserved so the split is deterministic), masking each batch
-on the fly. The position in the data is (phase, epoch, batch index): a checkpoint stores it, and a resumed
-worker re-reads the epoch and drops the batches it had already consumed without collating them — with
-per-batch mask generators and a per-batch dropout seed the resumed run computes exactly what an
-uninterrupted run computes.
+on the fly. The position in the data is (phase, epoch, sequences of the epoch trained: resume.Position): a
+checkpoint stores it, and a resumed worker re-reads the epoch and drops the batches it had already consumed
+without collating them — with per-batch mask generators and a per-batch dropout seed the resumed run computes
+exactly what an uninterrupted run computes. A checkpoint of another layout (worker count, micro-batch) goes on
+by the rule of resume.py, its optimizer state re-partitioned if need be (repartition.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bertpipe.jobs.pretrain import checkpoints, eta, identity
+from bertpipe.jobs.pretrain import checkpoints, eta, identity, resume
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig, bert_config
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.heldout import read_heldout
@@ -30,6 +31,7 @@ from bertpipe.jobs.pretrain.length_binning import length_binned
 from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
 from bertpipe.jobs.pretrain.meter import THROUGHPUT, Meter, NonFiniteError, all_sum
 from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
+from bertpipe.jobs.pretrain.resume import Position
 from bertpipe.jobs.pretrain import zero_fast_paths
 from bertpipe.jobs.tracking import RunLogger, metric_names
 from bertpipe.pipeline import storage
@@ -64,16 +66,6 @@ class WorkerSpec:
 
 
 @dataclass
-class Position:
-    """Where in the data a worker is: optimizer step, phase, epoch and micro-batch index within the epoch."""
-
-    step: int = 0
-    phase: int = 0
-    epoch: int = 0
-    batch: int = 0
-
-
-@dataclass
 class Worker:
     spec: WorkerSpec
     engine: Any
@@ -94,6 +86,7 @@ class Worker:
     opened: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (phase, epoch) -> (first batch, the rest)
     mark: float = 0.0
     excluded: float = 0.0
+    local_rank: int = 0  # its rank on its node: one rank a node converts a checkpoint of another layout
 
     def schedule(self) -> eta.Schedule:
         cfg, rows = self.spec.pretrain, self.spec.rows
@@ -199,7 +192,7 @@ def setup(spec: WorkerSpec) -> Worker:
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world, spec.init_config)
     return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
-                  RunLogger(spec.tracking, enabled=rank == 0))
+                  RunLogger(spec.tracking, enabled=rank == 0), local_rank=ctx.get_local_rank())
 
 
 def skip_inference_comm_op() -> None:
@@ -216,7 +209,8 @@ def skip_inference_comm_op() -> None:
 def restore(w: Worker) -> Position:
     """The later of Ray Train's checkpoint (a retry, or a rerun it has a snapshot for) and the newest complete one in
     the run folder (a rerun after a crash, or a retry that starts before the controller registered the last reported
-    checkpoint). Rank 0 decides, so every rank loads the same."""
+    checkpoint). Rank 0 decides, so every rank loads the same. A checkpoint of another layout is loaded
+    re-partitioned and goes on where resume.plan says (the driver said so in its resume line)."""
     import ray.train
 
     given = ray.train.get_checkpoint()
@@ -230,13 +224,20 @@ def restore(w: Worker) -> Position:
         ray.train.Checkpoint(newest) if newest else None)
     if checkpoint is None:
         return Position()
-    state = checkpoints.load(w.engine, checkpoint)
+    now = layout(w)
+    return resumed_position(w, checkpoints.load(w.engine, checkpoint, now, w.local_rank), now)
+
+
+def resumed_position(w: Worker, state: dict, now: dict) -> Position:
+    """Where a worker goes on from a loaded checkpoint's position.json (`state`), with this layout (`now`)."""
     w.history = state.pop("history", [])
-    state.pop("layout", None)  # the driver checked it against this attempt's (identity.check_layout)
-    position = Position(**state)
-    log.info("rank %d resumed at %s", w.rank, position)
-    assert w.engine.global_steps == position.step, (w.engine.global_steps, position.step)
-    return position
+    then = state.pop("layout", None)
+    taken = resume.position_of(state, then or now)
+    assert w.engine.global_steps == taken.step, (w.engine.global_steps, taken.step)
+    goes_on = resume.plan(taken, then, now, w.spec.pretrain, w.spec.rows)
+    log.info("rank %d resumed at %s%s", w.rank, taken,
+             f", goes on at {goes_on.position}" if goes_on.position != taken else "")
+    return goes_on.position
 
 
 def layout(w: Worker) -> dict:
@@ -300,8 +301,8 @@ def open_streams(w: Worker, position: Position) -> None:
             continue
         heldout.append(phase)
         if ends[q] > position.step and q >= position.phase:
-            epoch = position.epoch if q == position.phase else 0
-            streams[f"seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch)
+            epoch, dealt = (position.epoch, position.dealt) if q == position.phase else (0, 0)
+            streams[f"seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch, dealt or phase.micro_batch_size)
     w.doing(f"opening the training data streams ({', '.join(streams)})" if streams else "reading held-out data")
     with ThreadPoolExecutor(max_workers=max(len(streams), 1), thread_name_prefix="open-stream") as pool:
         futures = [pool.submit(*job) for job in streams.values()]
@@ -343,9 +344,9 @@ def _timed_forward(w: Worker, batch: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
-def _open_epoch(w: Worker, phase_index: int, epoch: int) -> None:
+def _open_epoch(w: Worker, phase_index: int, epoch: int, micro: int) -> None:
     started = time.perf_counter()
-    it = iter(epoch_batches(w, phase_index, epoch))
+    it = iter(epoch_batches(w, phase_index, epoch, micro))
     w.opened[(phase_index, epoch)] = (next(it, None), it)
     opened = time.perf_counter() - started
     w.clock.stream_start_s = max(w.clock.stream_start_s or 0.0, opened)
@@ -422,13 +423,14 @@ def log_window(w: Worker, meter: Meter, step: int, seq_length: int, last: dict |
     return metrics
 
 
-def epoch_batches(w: Worker, phase_index: int, epoch: int):
-    """This worker's micro-batches of one epoch of a phase, shuffled and length-binned with seeds of (epoch, rank)."""
+def epoch_batches(w: Worker, phase_index: int, epoch: int, micro: int | None = None):
+    """This worker's micro-batches of one epoch of a phase, shuffled and length-binned with seeds of (epoch, rank):
+    of the phase's micro_batch_size, or of `micro` rows (an epoch dealt in another size before a resume)."""
     import ray.train
 
     cfg, phase = w.spec.pretrain, w.spec.pretrain.phases[phase_index]
     batches = ray.train.get_dataset_shard(f"train_{phase.max_seq_length}").iter_batches(
-        batch_size=phase.micro_batch_size, batch_format="numpy", drop_last=True,
+        batch_size=micro or phase.micro_batch_size, batch_format="numpy", drop_last=True,
         prefetch_batches=cfg.prefetch_batches, local_shuffle_buffer_size=cfg.shuffle_buffer_rows or None,
         local_shuffle_seed=seed_of(w.spec.seed, phase_index, epoch, w.rank))
     return length_binned(batches, cfg.length_bin_window,
@@ -467,16 +469,24 @@ def after_step(w: Worker, meter: Meter, position: Position, phase_end: int, last
 
 def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last: dict,
               batches=None) -> tuple[Position, dict]:
-    """Train from `position` until the epoch's data (`batches`: shard rows in micro-batches; default this
-    worker's share of the phase's dataset) or the phase's steps run out."""
-    phase_index, epoch, skip = position.phase, position.epoch, position.batch
+    """Train from `position` until the epoch's data (`batches`: shard rows in micro-batches of the size the epoch is
+    read in, `position.dealt`; default this worker's share of the phase's dataset) or the phase's steps run out.
+    An epoch read in another size than the phase's now (a resume with another micro-batch) goes on re-cut
+    (resume.recut): the sequences not trained yet, in their order."""
+    phase_index, epoch = position.phase, position.epoch
+    micro = w.spec.pretrain.phases[phase_index].micro_batch_size
+    dealt = position.dealt or micro
     spec = masking_spec(w, w.spec.pretrain.phases[phase_index])
-    seen, index = 0, 0
+    seen, sequences = 0, position.sequences
     ahead = w.opened.pop((phase_index, epoch), None) if batches is None else None  # open_streams opened it
     if ahead is not None:
         it = itertools.chain([ahead[0]] if ahead[0] is not None else [], ahead[1])
     else:
-        it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch)
+        it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch, dealt)
+    if dealt == micro and sequences % micro == 0:  # the batches as dealt: those trained skipped, uncollated
+        skip, index = sequences // micro, 0
+    else:
+        skip, index, it = 0, position.batch, _recut(it, sequences, micro)
     while position.step < phase_end:
         t_wait = time.perf_counter()
         raw = next(it, None)
@@ -495,10 +505,11 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
         wait = time.perf_counter() - t_wait  # host time only: nothing here waits for the device
         out = timed_first_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
         index += 1
+        sequences += len(raw["next_sentence_label"])
         meter.add(out, batch["attention_mask"], wait)
         if w.engine.global_steps == position.step:
             continue  # inside a gradient accumulation
-        position = Position(w.engine.global_steps, phase_index, epoch, index)
+        position = Position(w.engine.global_steps, phase_index, epoch, index, sequences, dealt)
         meter.end_step(position.step, w.engine.get_global_grad_norm())
         now = time.perf_counter()
         if w.mark:
@@ -506,10 +517,17 @@ def run_epoch(w: Worker, meter: Meter, position: Position, phase_end: int, last:
         w.mark, w.excluded = now, 0.0
         w.report_step(position, last)
         last = after_step(w, meter, position, phase_end, last)
-    if seen == 0:
+    if seen == 0 and not position.sequences:  # (a re-cut epoch resumed at its end has no batch left)
         raise ValueError(f"worker {w.rank} got no batch at seq {w.spec.pretrain.phases[phase_index].max_seq_length}:"
                          " too few training rows for num_workers × micro_batch_size")
     return position, last
+
+
+def _recut(it, sequences: int, micro: int):
+    """resume.recut, said once in the log (a resume with another micro-batch)."""
+    log.info("the epoch in progress goes on re-cut: %d sequences trained, micro-batches of %d from here", sequences,
+             micro)
+    return resume.recut(it, sequences, micro)
 
 
 def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
@@ -538,7 +556,7 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     if position.step >= phase_end or steps[phase_index] == 0:
         return position, last
     if phase_index != position.phase:
-        position = Position(position.step, phase_index, 0, 0)
+        position = Position(position.step, phase_index)
     phase = cfg.phases[phase_index]
     w.doing(f"phase {phase_index + 1}: seq {phase.max_seq_length}")
     w.mark = w.mark or time.perf_counter()
@@ -552,7 +570,7 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     while position.step < phase_end:
         position, last = run_epoch(w, meter, position, phase_end, last)
         if position.step < phase_end:
-            position = Position(position.step, phase_index, position.epoch + 1, 0)
+            position = Position(position.step, phase_index, position.epoch + 1)
     return position, last
 
 
