@@ -279,6 +279,7 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
 
 def cmd_status(args) -> int:
     from bertpipe.jobs import workflow
+    from bertpipe.jobs.pretrain.identity import describe_start
 
     rows = workflow.status(_config(args), verify=args.verify)
     rows = redact.mask_data(rows)  # an s3://KEY:SECRET@bucket workdir is shown masked
@@ -293,6 +294,8 @@ def cmd_status(args) -> int:
         secs = f"{r['seconds']:.1f}" if r.get("seconds") is not None else "-"
         print(f"{r['stage']:<9} {r['state']:<8} {str(r['rows'] if r['rows'] is not None else '-'):>10} "
               f"{secs:>9}  {r['output']}" + (f"  ({r['problem']})" if r.get("problem") else ""))
+        if r.get("start"):  # what pre-training resumed or started from (jobs/pretrain/stage.py start_record)
+            print(f"{'':<9} {describe_start(r['start'], prefix='latest start: ')}")
     return _status_exit(rows, args)
 
 

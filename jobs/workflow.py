@@ -347,7 +347,8 @@ def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
     """Every stage with its state: fresh (committed, matches), stale (committed, would rerun), broken (its
     manifest is invalid, or a file it lists is gone or resized, or one it does not list is there; with `verify`,
     or a file's checksum changed: reruns), missing. Opt-in stages (squad, ner, features) only once they have a
-    manifest: a workflow that never ran them is not missing anything."""
+    manifest: a workflow that never ran them is not missing anything. The pretrain row also says what its latest
+    run resumed from or started from (`start`: pretrain_start)."""
     state = committed(cfg, checksums=verify)
     rows, states = [], {}
     for stage in STAGES:
@@ -379,7 +380,27 @@ def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
             "seconds": (manifest or {}).get("seconds"), "finished_at": (manifest or {}).get("finished_at"),
             "fingerprint": expected, **({"problem": problem} if problem else {}),
         })
+        if stage.name == "pretrain":
+            start = pretrain_start(cfg, manifest)
+            if start:
+                rows[-1]["start"] = start
     return rows
+
+
+def pretrain_start(cfg: RootConfig, manifest: dict | None) -> dict[str, Any] | None:
+    """What pre-training resumed from (step, checkpoint, layout then and now) or started from (pretrain.init or
+    random), as the stage recorded it when it started (jobs/pretrain/stage.py start_record): the committed run's
+    (its manifest), or a later start's (its run folder's identity record: a run in progress, or one that failed)."""
+    from bertpipe.jobs.pretrain import identity
+
+    committed = ((manifest or {}).get("extra") or {}).get("start")
+    try:
+        later = identity.latest_start(cfg.pretrain.storage_path or WorkdirPaths(cfg.workdir).ray_results,
+                                      cfg.pretrain.run_name)
+    except (OSError, ValueError):
+        later = None
+    found = [r for r in (committed, later) if isinstance(r, dict) and "started_from" in r]
+    return max(found, key=lambda r: r.get("at", 0.0)) if found else None
 
 
 # The workflow run's headline metrics, {stage: {manifest metric: MLflow name}}: one value each (step 0).

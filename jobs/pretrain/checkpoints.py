@@ -2,7 +2,8 @@
 workers (which save, load and export).
 
 A checkpoint is DeepSpeed's files (every rank's ZeRO shards) under the tag `ckpt`, plus `position.json`: where in
-the data it was taken (phase, epoch, batch) so a resumed worker skips exactly the batches it had consumed.
+the data it was taken (resume.Position) and the layout it was taken with (identity.layout_of), so a resumed worker
+skips exactly what it had consumed, and a checkpoint of another worker count is re-partitioned (repartition.py).
 Checkpoints live under Ray Train's storage (`<workdir>/ray_results/<run name>` by default), outside the stage
 folder, so rerunning the stage after a crash continues instead of starting over.
 """
@@ -27,12 +28,25 @@ EXPORT_FILES = ("config.json", "model.safetensors", "vocab.txt", TOKENIZER_CONFI
 
 def _complete(ckpt: str, cfg: PretrainConfig) -> bool:
     """Every rank's DeepSpeed files are there and whole (a crash mid-save leaves a folder without some, or with one
-    cut short), and so is the position."""
-    if cfg.zero_stage == 0:
+    cut short), and so is the position. Every rank of the layout the checkpoint was taken with (its position.json;
+    one without a layout: this config's)."""
+    state = _state(ckpt)
+    if state is None or "step" not in state:
+        return False
+    layout = state.get("layout") or {"num_workers": cfg.num_workers, "zero_stage": cfg.zero_stage}
+    if layout["zero_stage"] == 0:
         needed = ["mp_rank_00_model_states.pt"]
     else:
-        needed = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(cfg.num_workers)]
-    return step_of(ckpt) is not None and all(_whole(storage.join(ckpt, CKPT_TAG, n)) for n in needed)
+        needed = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(layout["num_workers"])]
+    return all(_whole(storage.join(ckpt, CKPT_TAG, n)) for n in needed)
+
+
+def _state(ckpt: str) -> dict | None:
+    try:
+        state = json.loads(storage.read_text(storage.join(ckpt, STATE_FILE)))
+        return state if isinstance(state, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _whole(uri: str) -> bool:
@@ -111,18 +125,37 @@ def save_and_report(engine, position: dict, metrics: dict) -> None:
     import ray.train
 
     with tempfile.TemporaryDirectory() as d:
-        engine.save_checkpoint(d, tag=CKPT_TAG)
-        with open(os.path.join(d, STATE_FILE), "w") as f:
-            json.dump(position, f)
+        save_dir(engine, d, position)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
 
 
-def load(engine, checkpoint) -> dict:
-    """Restore engine, optimizer and scheduler state; returns the data position the checkpoint was taken at."""
+def save_dir(engine, d: str, position: dict) -> None:
+    """This rank's DeepSpeed files and the position (with the layout: loop.layout) into the folder `d`."""
+    engine.save_checkpoint(d, tag=CKPT_TAG)
+    with open(os.path.join(d, STATE_FILE), "w") as f:
+        json.dump(position, f)
+
+
+def load(engine, checkpoint, now: dict, local_rank: int) -> dict:
+    """Restore engine, optimizer and scheduler state (re-partitioned when the checkpoint was taken on another
+    number of workers under ZeRO 1-3: `now` is this layout); returns the checkpoint's position.json."""
     with checkpoint.as_directory() as d:
+        return load_dir(engine, d, now, local_rank)
+
+
+def load_dir(engine, d: str, now: dict, local_rank: int) -> dict:
+    """`load` from a local folder (every rank calls it; `local_rank`: its rank on its node)."""
+    from bertpipe.jobs.pretrain import repartition
+    from bertpipe.jobs.pretrain.resume import repartition_needed
+
+    with open(os.path.join(d, STATE_FILE), "rb") as f:
+        raw = f.read()
+    state = json.loads(raw)
+    if repartition_needed(state.get("layout"), now):
+        repartition.load(engine, d, CKPT_TAG, raw, local_rank)
+    else:
         engine.load_checkpoint(d, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
-        with open(os.path.join(d, STATE_FILE)) as f:
-            return json.load(f)
+    return state
 
 
 def data_lowercase(heldout: dict[int, str]) -> bool:

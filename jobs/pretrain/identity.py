@@ -7,9 +7,11 @@ checkpoints are stored. So a rerun after a change of cadence or CPUs resumes the
 result field starts a new run, saying which field changed (`changes`). `pretrain.restart` asks for a new run of the
 same identity: it gets the next `-r<N>` name, and later reruns resume that one.
 
-A change of layout that moves where a checkpoint's state lives (another worker count under ZeRO 1-3: the optimizer
-state is partitioned by it; another micro-batch: the data position is counted in micro-batches) is refused in one
-line by `check_layout` rather than loaded wrongly: re-partitioning is not done yet.
+A change of layout that moves where a checkpoint's state lives is resumed all the same: another worker count under
+ZeRO 1-3 loads the optimizer state re-partitioned (repartition.py), and the data position goes on by the rule of
+resume.py (another micro-batch: exactly; another worker count: with the next epoch). `check_layout` refuses, in one
+line, only what cannot be converted: a checkpoint of another ZeRO stage (reachable only with `pretrain.run_name`,
+since the stage is part of the identity).
 """
 from __future__ import annotations
 
@@ -65,10 +67,38 @@ def choose_name(base: str, existing: list[str], restart: bool) -> str:
     return base if latest <= 1 else f"{base}-r{latest}"
 
 
-def record(storage_path: str, name: str, ident: dict[str, Any]) -> None:
-    """The run's identity in its folder, with the time: the newest one is what a changed config is compared to."""
+def record(storage_path: str, name: str, ident: dict[str, Any], start: dict[str, Any] | None = None) -> None:
+    """The run's identity in its folder, with the time: the newest one is what a changed config is compared to;
+    and what its latest start started from (stage.start_record), for `bertpipe status`."""
     storage.write_text_atomic(storage.join(storage_path, name, IDENTITY_FILE),
-                              json.dumps({"recorded_at": time.time(), "identity": ident}, indent=1))
+                              json.dumps({"recorded_at": time.time(), "identity": ident,
+                                          **({"start": start} if start else {})}, indent=1))
+
+
+def latest_start(storage_path: str, name: str = "") -> dict[str, Any] | None:
+    """The start record of run `name` under storage_path, or (no name) of the run started last there; None if
+    none was recorded."""
+    found = []
+    for folder in [name] if name else run_folders(storage_path):
+        try:
+            recorded = json.loads(storage.read_text(storage.join(storage_path, folder, IDENTITY_FILE)))
+            if isinstance(recorded.get("start"), dict):
+                found.append((float(recorded["recorded_at"]), folder, recorded["start"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    if not found:
+        return None
+    _, folder, start = max(found, key=lambda f: (f[0], f[1]))
+    return {**start, "run": folder}
+
+
+def describe_start(start: dict[str, Any], prefix: str = "pretrain: ") -> str:
+    """A start record (stage.start_record) in one line: the console's at the start, and `bertpipe status`'s."""
+    if start.get("checkpoint"):
+        return (f"{prefix}resuming from the step-{start['resumed_from_step']} checkpoint {start['checkpoint']} "
+                f"(taken with {describe_layout(start.get('layout_then'))}; now {describe_layout(start['layout_now'])};"
+                f" the run started from {start['started_from']}): {start['carries']}")
+    return f"{prefix}training starts at step 0 from {start['started_from']} ({start['why']})"
 
 
 def changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
@@ -115,23 +145,18 @@ def layout_of(num_workers: int, micro_batch_sizes: list[int], zero_stage: int) -
 
 
 def check_layout(then: dict[str, Any] | None, now: dict[str, Any], step: int) -> None:
-    """ValueError in one line when a checkpoint taken with layout `then` cannot be loaded with `now`."""
-    if not then:
-        return
-    problems = []
-    if then["num_workers"] != now["num_workers"] and now["zero_stage"] >= 1:
-        problems.append(f"{then['num_workers']} workers, now {now['num_workers']} (ZeRO {now['zero_stage']} "
-                        "partitions the optimizer state by worker count)")
-    if then["micro_batch_sizes"] != now["micro_batch_sizes"]:
-        problems.append(f"micro-batches {then['micro_batch_sizes']}, now {now['micro_batch_sizes']} (the data "
-                        "position is counted in micro-batches)")
-    if problems:
-        raise ValueError(f"pretrain: the step-{step} checkpoint of this run was taken with {'; '.join(problems)}: "
-                         "resuming it on another layout is not supported yet; rerun with the checkpoint's layout, or "
-                         "start this run again from step 0 with --set pretrain.restart=true")
+    """ValueError in one line when a checkpoint taken with layout `then` cannot be loaded with `now`: only another
+    ZeRO stage (another worker count or micro-batch is converted: repartition.py, resume.py)."""
+    if then and then["zero_stage"] != now["zero_stage"]:
+        raise ValueError(f"pretrain: the step-{step} checkpoint of this run was taken under ZeRO {then['zero_stage']}, "
+                         f"now ZeRO {now['zero_stage']}: a checkpoint is converted to another worker count or "
+                         "micro-batch, not to another ZeRO stage (its optimizer files differ: ZeRO 0 keeps none per "
+                         f"rank); rerun with zero_stage {then['zero_stage']}, or start from step 0 under another "
+                         "pretrain.run_name")
 
 
 def describe_layout(layout: dict[str, Any] | None) -> str:
     if not layout:
         return "unknown layout"
-    return f"{layout['num_workers']} workers × micro {'/'.join(map(str, layout['micro_batch_sizes']))}"
+    n = layout["num_workers"]
+    return f"{n} worker{'s' if n != 1 else ''} × micro {'/'.join(map(str, layout['micro_batch_sizes']))}"

@@ -1,11 +1,13 @@
 """The per-worker training function of pre-training (runs inside each Ray Train worker), as named steps.
 
 One DeepSpeed engine per worker (engine.py) trains through the phases (seq 128, then 512) on its share of the shards
-(streams.py), masking each batch on the fly. The position in the data is (phase, epoch, batch index): a checkpoint
-stores it, and a resumed worker re-reads the epoch and drops the batches it had already consumed without collating
-them — with per-batch mask generators and a per-batch dropout seed the resumed run computes exactly what an
-uninterrupted run computes. What each step costs, and the ETA and throughput made from it, is the worker's clock's
-(clock.py): the loop only marks where a step ends and what it sets aside.
+(streams.py), masking each batch on the fly. The position in the data is (phase, epoch, sequences of the epoch
+trained: resume.Position): a checkpoint stores it, and a resumed worker re-reads the epoch and drops the batches it
+had already consumed without collating them — with per-batch mask generators and a per-batch dropout seed the
+resumed run computes exactly what an uninterrupted run computes. A checkpoint of another layout (worker count,
+micro-batch) goes on by the rule of resume.py, its optimizer state re-partitioned if need be (repartition.py). What
+each step costs, and the ETA and throughput made from it, is the worker's clock's (clock.py): the loop only marks
+where a step ends and what it sets aside.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertpipe.jobs.pretrain import checkpoints, identity
+from bertpipe.jobs.pretrain import checkpoints, identity, resume
 from bertpipe.jobs.pretrain.engine import build_engine, compile_enabled
 from bertpipe.jobs.pretrain.evaluation import evaluate_heldout, evaluation_series, time_eval_batches
 from bertpipe.jobs.pretrain.lamb_layout import mapped_layouts
@@ -65,13 +67,14 @@ def setup(spec: WorkerSpec) -> Worker:
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world, spec.init_config)
     return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
-                  RunLogger(spec.tracking, enabled=rank == 0))
+                  RunLogger(spec.tracking, enabled=rank == 0), local_rank=ctx.get_local_rank())
 
 
 def restore(w: Worker) -> Position:
     """The later of Ray Train's checkpoint (a retry, or a rerun it has a snapshot for) and the newest complete one in
     the run folder (a rerun after a crash, or a retry that starts before the controller registered the last reported
-    checkpoint). Rank 0 decides, so every rank loads the same."""
+    checkpoint). Rank 0 decides, so every rank loads the same. A checkpoint of another layout is loaded
+    re-partitioned and goes on where resume.plan says (the driver said so in its resume line)."""
     import ray.train
 
     given = ray.train.get_checkpoint()
@@ -85,13 +88,20 @@ def restore(w: Worker) -> Position:
         ray.train.Checkpoint(newest) if newest else None)
     if checkpoint is None:
         return Position()
-    state = checkpoints.load(w.engine, checkpoint)
+    now = layout(w)
+    return resumed_position(w, checkpoints.load(w.engine, checkpoint, now, w.local_rank), now)
+
+
+def resumed_position(w: Worker, state: dict, now: dict) -> Position:
+    """Where a worker goes on from a loaded checkpoint's position.json (`state`), with this layout (`now`)."""
     w.history = state.pop("history", [])
-    state.pop("layout", None)  # the driver checked it against this attempt's (identity.check_layout)
-    position = Position(**state)
-    log.info("rank %d resumed at %s", w.rank, position)
-    assert w.engine.global_steps == position.step, (w.engine.global_steps, position.step)
-    return position
+    then = state.pop("layout", None)
+    taken = resume.position_of(state, then or now)
+    assert w.engine.global_steps == taken.step, (w.engine.global_steps, taken.step)
+    goes_on = resume.plan(taken, then, now, w.spec.pretrain, w.spec.rows)
+    log.info("rank %d resumed at %s%s", w.rank, taken,
+             f", goes on at {goes_on.position}" if goes_on.position != taken else "")
+    return goes_on.position
 
 
 def layout(w: Worker) -> dict:
@@ -121,7 +131,7 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     if position.step >= phase_end or steps[phase_index] == 0:
         return position, last
     if phase_index != position.phase:
-        position = Position(position.step, phase_index, 0, 0)
+        position = Position(position.step, phase_index)
     phase = cfg.phases[phase_index]
     w.doing(f"phase {phase_index + 1}: seq {phase.max_seq_length}")
     w.clock.start_phase(phase_index)
@@ -133,25 +143,27 @@ def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tu
     while position.step < phase_end:
         position, last = run_epoch(w, position, phase_end, last)
         if position.step < phase_end:
-            position = Position(position.step, phase_index, position.epoch + 1, 0)
+            position = Position(position.step, phase_index, position.epoch + 1)
     return position, last
 
 
 def run_epoch(w: Worker, position: Position, phase_end: int, last: dict, batches=None) -> tuple[Position, dict]:
-    """Train from `position` until the epoch's data (`batches`: shard rows in micro-batches; default this
-    worker's share of the phase's dataset) or the phase's steps run out."""
+    """Train from `position` until the epoch's data (`batches`: shard rows in micro-batches of the size the epoch is
+    read in, `position.dealt`; default this worker's share of the phase's dataset) or the phase's steps run out."""
     phase_index, epoch = position.phase, position.epoch
     spec = masking_spec(w, w.spec.pretrain.phases[phase_index])
     if position.step >= phase_end:
         return position, last
-    for index, raw, pulled_at in micro_batches(w, phase_index, epoch, position.batch, batches):
+    sequences, dealt = position.sequences, position.dealt or w.spec.pretrain.phases[phase_index].micro_batch_size
+    for index, raw, pulled_at in micro_batches(w, position, batches):
         batch = to_device(collate(raw, spec, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index)), w.device)
         wait = time.perf_counter() - pulled_at  # host time only: nothing here waits for the device
         out = timed_first_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
+        sequences += len(raw["next_sentence_label"])
         w.clock.micro_batch(out, batch["attention_mask"], wait)
         if w.engine.global_steps == position.step:
             continue  # inside a gradient accumulation
-        position = Position(w.engine.global_steps, phase_index, epoch, index + 1)
+        position = Position(w.engine.global_steps, phase_index, epoch, index + 1, sequences, dealt)
         w.clock.optimizer_step(position.step, phase_index, w.engine.get_global_grad_norm(), last)
         last = after_step(w, position, phase_end, last)
         if position.step >= phase_end:

@@ -151,29 +151,55 @@ def run_name(ctx: StageContext, cfg: PretrainConfig, storage_path: str) -> str:
                                 cfg.restart)
 
 
-def announce_start(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str, resume: str | None,
-                   run: RunLogger) -> None:
-    """One line on what training starts from (a checkpoint, with its layout and this one's; or step 0, and why),
-    the same in MLflow's tags; refuses a checkpoint this layout cannot load (identity.check_layout)."""
+def start_record(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str, resume: str | None,
+                 rows: dict[str, int]) -> dict[str, Any]:
+    """What training starts from: a checkpoint (its step, where it is, its layout and this one, what carries over:
+    resume.plan), or step 0 and why; and, either way, the weights the run started from (pretrain.init or random).
+    The one record of it: the console line, MLflow's tags, the run folder's identity record and the stage's manifest
+    (`bertpipe status`) all show this. Refuses a checkpoint this layout cannot load (identity.check_layout)."""
+    from bertpipe.jobs.pretrain.resume import plan, position_of
+
     now = identity.layout_of(cfg.num_workers, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
+    record: dict[str, Any] = {"at": time.time(), "started_from": f"the weights of {cfg.init}" if cfg.init
+                              else "random initialisation", "layout_now": now}
     if resume:
         state = json.loads(storage.read_text(storage.join(resume, STATE_FILE)))
         then, step = state.get("layout"), int(state["step"])
         identity.check_layout(then, now, step)
-        line = (f"pretrain: resuming from the step-{step} checkpoint {resume} (taken with "
-                f"{identity.describe_layout(then)}; now {identity.describe_layout(now)})")
-        run.set_tags({"bertpipe.resumed_from_step": str(step), "bertpipe.resumed_from_checkpoint": resume})
+        goes_on = plan(position_of(state, then or now), then, now, cfg, rows)
+        return {**record, "resumed_from_step": step, "checkpoint": resume, "layout_then": then,
+                "carries": goes_on.carries, "left_out": goes_on.left_out, "repartitioned": goes_on.repartition}
+    previous = identity.previous_run(storage_path, name)
+    changed = identity.changes(previous[1], run_identity(ctx)) if previous else []
+    why = ("pretrain.restart" if cfg.restart else
+           f"{'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} since run {previous[0]}" if changed
+           else "no checkpoint of these settings yet")
+    return {**record, "resumed_from_step": 0, "why": why}
+
+
+def start_tags(record: dict[str, Any]) -> dict[str, str]:
+    """The start record as the stage run's MLflow tags."""
+    tags = {"bertpipe.started_from": record["started_from"],
+            "bertpipe.layout": identity.describe_layout(record["layout_now"])}
+    if record.get("checkpoint"):
+        tags.update({"bertpipe.resumed_from_step": str(record["resumed_from_step"]),
+                     "bertpipe.resumed_from_checkpoint": record["checkpoint"],
+                     "bertpipe.resumed_layout": identity.describe_layout(record.get("layout_then")),
+                     "bertpipe.resume_carries": record["carries"]})
     else:
-        previous = identity.previous_run(storage_path, name)
-        changed = identity.changes(previous[1], run_identity(ctx)) if previous else []
-        why = ("pretrain.restart" if cfg.restart else
-               f"{'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} since run {previous[0]}" if changed
-               else "no checkpoint of these settings yet")
-        start = f"the weights of {cfg.init}" if cfg.init else "random initialisation"
-        line = f"pretrain: training starts at step 0 from {start} ({why})"
-        run.set_tags({"bertpipe.started_from": start, "bertpipe.restarted_because": why})
-    console_line(line)
-    identity.record(storage_path, name, run_identity(ctx))
+        tags["bertpipe.restarted_because"] = record["why"]
+    return tags
+
+
+def announce_start(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str, resume: str | None,
+                   run: RunLogger, rows: dict[str, int] | None = None) -> dict[str, Any]:
+    """One line on what training starts from (start_record), the same in MLflow's tags and the run folder's
+    identity record; returns the record (the stage's manifest keeps it too)."""
+    record = start_record(ctx, cfg, storage_path, name, resume, rows or {})
+    console_line(identity.describe_start(record))
+    run.set_tags(start_tags(record))
+    identity.record(storage_path, name, run_identity(ctx), start=record)
+    return record
 
 
 def _datasets(pairs_uri: str, spec: WorkerSpec) -> tuple[dict[str, Any], WorkerSpec]:
@@ -386,7 +412,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     run.log_params(ctx.config, skip_logged=True)
     run.log_dict(ds_json, "deepspeed_config.json")
     resume = resume_point(storage_path, spec.run_name, cfg)
-    announce_start(ctx, cfg, storage_path, spec.run_name, resume, run)
+    start = announce_start(ctx, cfg, storage_path, spec.run_name, resume, run, spec.rows)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     watch = AttemptWatch(cfg.max_failures, run)
@@ -415,6 +441,6 @@ def run_stage(ctx: StageContext) -> StageResult:
     log_summary(run, metrics)
     return StageResult(num_rows=int(metrics.get("step", 0)), metrics=metrics, mlflow_summary={},
                        extra={"export": spec.export_uri, "checkpoints": storage.join(storage_path, spec.run_name),
-                              "mlflow_model": model_uri, "train_rows": spec.rows,
+                              "mlflow_model": model_uri, "train_rows": spec.rows, "start": start,
                               "checkpoint": result.checkpoint.path if result.checkpoint else ""},
                        outputs=[*(f"export/{name}" for name in EXPORT_FILES), *learning_files])

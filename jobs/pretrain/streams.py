@@ -11,6 +11,7 @@ from typing import Iterator
 
 import numpy as np
 
+from bertpipe.jobs.pretrain import resume
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.eta import EVAL_BATCH
 from bertpipe.jobs.pretrain.heldout import read_heldout
@@ -20,45 +21,56 @@ from bertpipe.jobs.pretrain.worker import Position, Worker, seed_of
 log = logging.getLogger("bertpipe.pretrain")
 
 
-def epoch_batches(w: Worker, phase_index: int, epoch: int):
-    """This worker's micro-batches of one epoch of a phase, shuffled and length-binned with seeds of (epoch, rank)."""
+def epoch_batches(w: Worker, phase_index: int, epoch: int, micro: int | None = None):
+    """This worker's micro-batches of one epoch of a phase, shuffled and length-binned with seeds of (epoch, rank):
+    of the phase's micro_batch_size, or of `micro` rows (an epoch dealt in another size before a resume)."""
     import ray.train
 
     cfg, phase = w.spec.pretrain, w.spec.pretrain.phases[phase_index]
     batches = ray.train.get_dataset_shard(f"train_{phase.max_seq_length}").iter_batches(
-        batch_size=phase.micro_batch_size, batch_format="numpy", drop_last=True,
+        batch_size=micro or phase.micro_batch_size, batch_format="numpy", drop_last=True,
         prefetch_batches=cfg.prefetch_batches, local_shuffle_buffer_size=cfg.shuffle_buffer_rows or None,
         local_shuffle_seed=seed_of(w.spec.seed, phase_index, epoch, w.rank))
     return length_binned(batches, cfg.length_bin_window,
                          np.random.default_rng(seed_of(w.spec.seed, phase_index, epoch, w.rank, 2)))
 
 
-def micro_batches(w: Worker, phase_index: int, epoch: int, skip: int,
-                  batches=None) -> Iterator[tuple[int, dict, float]]:
-    """(index in the epoch, shard rows, when pulling them began) of each micro-batch of the epoch from index `skip`
-    on: the batches before it were consumed before the checkpoint a resumed worker starts from, and are dropped
-    without collating. `batches`: the rows in micro-batches (default this worker's share of the phase's dataset,
-    opened ahead by open_streams where it could be)."""
+def micro_batches(w: Worker, position: Position, batches=None) -> Iterator[tuple[int, dict, float]]:
+    """(index in the epoch, shard rows, when pulling them began) of each micro-batch of the epoch in progress at
+    `position` still to train. The epoch's share is read in micro-batches of the size it was dealt in
+    (`position.dealt`); where that is the phase's size now, the micro-batches trained before the checkpoint a
+    resumed worker starts from are dropped without collating; otherwise (a resume with another micro-batch) the
+    sequences not trained yet are re-cut into the new size (resume.recut). `batches`: the rows in micro-batches
+    (default this worker's share of the phase's dataset, opened ahead by open_streams where it could be)."""
+    phase_index, epoch = position.phase, position.epoch
+    micro = w.spec.pretrain.phases[phase_index].micro_batch_size
+    dealt = position.dealt or micro
     ahead = w.opened.pop((phase_index, epoch), None) if batches is None else None
     if ahead is not None:
         it = itertools.chain([ahead[0]] if ahead[0] is not None else [], ahead[1])
     else:
-        it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch)
+        it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch, dealt)
+    if dealt == micro and position.sequences % micro == 0:
+        skip, first = position.sequences // micro, 0
+    else:
+        log.info("the epoch in progress goes on re-cut: %d sequences trained, micro-batches of %d from here",
+                 position.sequences, micro)
+        skip, first, it = 0, position.batch, resume.recut(it, position.sequences, micro)
     length = w.spec.pretrain.phases[phase_index].max_seq_length
-    for index in itertools.count():
+    for n in itertools.count():
         pulled_at = time.perf_counter()
         raw = next(it, None)
-        if index == 0 and ahead is None:  # the first batch of a new data stream: Ray Data starts an execution
+        if n == 0 and ahead is None:  # the first batch of a new data stream: Ray Data starts an execution
             opened = time.perf_counter() - pulled_at
             w.clock.stream_opened(opened, before_training=False)
             log.info("rank %d: seq %d data stream opened in %.1f s", w.rank, length, opened)
         if raw is None:
-            if index == 0:
+            if n == 0 and not position.sequences:  # (a re-cut epoch resumed at its end has no batch left)
                 raise ValueError(f"worker {w.rank} got no batch at seq {length}: too few training rows for "
                                  "num_workers × micro_batch_size")
             return
-        if index >= skip:
-            yield index, raw, pulled_at
+        if n >= skip:
+            yield first + n, raw, pulled_at
 
 
 def heldout_batches(w: Worker, phase: PhaseConfig) -> list[dict[str, np.ndarray]]:
@@ -88,8 +100,8 @@ def open_streams(w: Worker, position: Position) -> None:
             continue
         heldout.append(phase)
         if ends[q] > position.step and q >= position.phase:
-            epoch = position.epoch if q == position.phase else 0
-            streams[f"seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch)
+            epoch, dealt = (position.epoch, position.dealt) if q == position.phase else (0, 0)
+            streams[f"seq {phase.max_seq_length}"] = (_open_epoch, w, q, epoch, dealt or phase.micro_batch_size)
     w.doing(f"opening the training data streams ({', '.join(streams)})" if streams else "reading held-out data")
     with ThreadPoolExecutor(max_workers=max(len(streams), 1), thread_name_prefix="open-stream") as pool:
         futures = [pool.submit(*job) for job in streams.values()]
@@ -99,9 +111,9 @@ def open_streams(w: Worker, position: Position) -> None:
             future.result()
 
 
-def _open_epoch(w: Worker, phase_index: int, epoch: int) -> None:
+def _open_epoch(w: Worker, phase_index: int, epoch: int, micro: int) -> None:
     started = time.perf_counter()
-    it = iter(epoch_batches(w, phase_index, epoch))
+    it = iter(epoch_batches(w, phase_index, epoch, micro))
     w.opened[(phase_index, epoch)] = (next(it, None), it)
     opened = time.perf_counter() - started
     w.clock.stream_opened(opened, before_training=True)

@@ -12,18 +12,9 @@ import torch
 from bertpipe.jobs.pretrain.clock import StepClock
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.masking import MaskingSpec
+from bertpipe.jobs.pretrain.resume import Position  # noqa: F401 - where a worker is, with the worker
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.tracking import RunLogger
-
-
-@dataclass
-class Position:
-    """Where in the data a worker is: optimizer step, phase, epoch and micro-batch index within the epoch."""
-
-    step: int = 0
-    phase: int = 0
-    epoch: int = 0
-    batch: int = 0
 
 
 @dataclass
@@ -42,6 +33,7 @@ class Worker:
     history: list[dict[str, float]] = field(default_factory=list)
     heldout: dict[int, list] = field(default_factory=dict)  # seq length -> this worker's held-out batches
     opened: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (phase, epoch) -> (first batch, the rest)
+    local_rank: int = 0  # its rank on its node: one rank a node converts a checkpoint of another layout
     clock: StepClock = field(init=False)  # step times, the ETA and the throughput (clock.py)
 
     def __post_init__(self) -> None:
