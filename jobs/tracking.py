@@ -26,7 +26,7 @@ from typing import Any
 
 from bertpipe.jobs.causes import first_line, from_ray, strip_ansi
 from bertpipe.jobs.configtools import to_dict
-from bertpipe.pipeline.redact import mask, mask_data
+from bertpipe.pipeline.framework.redact import mask, mask_data
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for one param value
 PARAM_BATCH, METRIC_BATCH = 100, 1000  # MLflow's log_batch limits

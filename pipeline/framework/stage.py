@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.paths import WorkdirPaths
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.paths import WorkdirPaths
 
 MANIFEST_NAME = "_MANIFEST.json"
 CONFIG_NAME = "_CONFIG.json"  # the stage's resolved config, written just before the manifest
-RUN_NAME = "_RUN.json"  # the run writing the folder and what it may delete (pipeline/outputs.py)
+RUN_NAME = "_RUN.json"  # the run writing the folder and what it may delete (pipeline/framework/outputs.py)
 # Files the workflow writes at the top of a stage folder besides the stage's own outputs.
 BOOKKEEPING = (MANIFEST_NAME, CONFIG_NAME, RUN_NAME)
 SCHEMA_VERSION = 1
