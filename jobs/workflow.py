@@ -212,6 +212,11 @@ def raw_inputs_of(cfg: RootConfig, stage: Stage) -> list[dict[str, Any]]:
 
 def fingerprint(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], raw: list[dict[str, Any]],
                 explicit_ids: dict[str, list[dict[str, Any]]]) -> str:
+    """The hash a committed manifest must carry for the stage to count as fresh: the stage's config sections, the
+    seed, the schema version (pipeline/framework/stage.py `SCHEMA_VERSION`), the identity (uri, size, checksum) of
+    its raw inputs, and per input the upstream manifest's output id, or, for an input the user named explicitly,
+    that input's checksums. So a changed config field, a different dump, or a rerun of an upstream stage makes this
+    stage and everything after it stale."""
     upstream = {}
     for name, inp in sorted(inputs.items()):
         upstream[name] = ([{k: r.get(k) for k in ("uri", "size", "checksum")} for r in explicit_ids[name]]

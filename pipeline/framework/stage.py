@@ -1,9 +1,8 @@
 """The stage contract: what a stage gets, what it returns, and the manifest that commits its output.
 
 A stage writes its data files first and `_MANIFEST.json` last: the manifest is the commit point, and a folder
-without one is never read as input. The fingerprint hashes the stage's config, the seed, the schema version,
-the identity of raw inputs (size + checksum) and the output ids of the upstream manifests it read — so a changed
-config field, a different dump, or a rerun of an upstream stage makes this stage and everything after it stale.
+without one is never read as input. The manifest records the stage's fingerprint, which the workflow computes
+and compares before it runs the stage (jobs/workflow.py `fingerprint` says what it covers).
 """
 from __future__ import annotations
 
