@@ -304,7 +304,7 @@ def log_summary(run: RunLogger, metrics: dict[str, float]) -> None:
 def register(run: RunLogger, export_uri: str, registered_name: str, version_description: str = "",
              version_tags: dict[str, str] | None = None) -> str:
     """The exported model as an MLflow model of the stage's run (its safetensors, config and vocabulary, loaded by
-    code: jobs/pretrain/pyfunc_model.py), registered under `registered_name` with MODEL_DESCRIPTION, the version's
+    code: jobs/pyfunc_model.py), registered under `registered_name` with MODEL_DESCRIPTION, the version's
     description and tags (model_card), and the alias MODEL_ALIAS on the new version."""
     if not (run.active and registered_name):
         return ""
