@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bertpipe.pipeline.config import SAMPLE_DUMP
-from bertpipe.pipeline.dump_reader import iter_pages
-from bertpipe.pipeline.wikitext import strip_with_mwparser, wikitext_to_paragraphs
+from bertpipe.pipeline.stages.config import SAMPLE_DUMP
+from bertpipe.pipeline.stages.dump_reader import iter_pages
+from bertpipe.pipeline.stages.wikitext import strip_with_mwparser, wikitext_to_paragraphs
 
 LEFTOVER = re.compile(r"\{\{|\}\}|\{\||\[\[|\]\]|==|<ref|Category:|File:|Image:|thumb\||^\s*[*#]", re.M)
 
@@ -54,7 +54,7 @@ def _mwparser(page) -> str:
 def throughput(dump: str, replicas: int, rounds: int) -> list[dict]:
     articles = [p for p in iter_pages(dump) if p.ns == 0 and not p.redirect] * replicas
     mb = sum(p.num_bytes for p in articles) / 1e6
-    cleaners = {"ours (pipeline.wikitext)": _ours, "wikiextractor 3.1.0 clean_text": _wikiextractor,
+    cleaners = {"ours (pipeline.stages.wikitext)": _ours, "wikiextractor 3.1.0 clean_text": _wikiextractor,
                 "wikiextractor, expand_templates=False": _wikiextractor_noexpand}
     best = {name: float("inf") for name in cleaners}
     outputs = {}
@@ -105,7 +105,7 @@ def replicate_dump(src: str, dest: Path, copies: int) -> Path:
 
 _WORKER = """
 import json, resource, sys, tempfile, time
-from bertpipe.pipeline.clean import clean_and_write_unit
+from bertpipe.pipeline.stages.clean import clean_and_write_unit
 t = time.perf_counter()
 with tempfile.TemporaryDirectory() as out:
     r = clean_and_write_unit({"uri": sys.argv[1], "start": -1, "end": -1, "index": 0}, output_uri=out,
@@ -135,9 +135,9 @@ def worker_rss(dump: str, replicas: list[int], tmp: Path) -> list[dict]:
 def ray_workers(dump: str, tmp: Path, copies: int) -> list[dict]:
     import ray
 
-    from bertpipe.pipeline.clean import run_stage
-    from bertpipe.pipeline.config import CleanConfig
-    from bertpipe.pipeline.stage import StageContext
+    from bertpipe.pipeline.stages.clean import run_stage
+    from bertpipe.pipeline.stages.config import CleanConfig
+    from bertpipe.pipeline.framework.stage import StageContext
 
     files = [replicate_dump(dump, tmp / f"part-{i}.xml.bz2", copies) for i in range(2)]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

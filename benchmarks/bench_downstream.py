@@ -46,7 +46,7 @@ from bertpipe.jobs.squad.predict import predict_answers  # noqa: E402
 from bertpipe.jobs.squad.trial import SquadData, SquadTask, score_predictions  # noqa: E402
 from bertpipe.jobs.tuning.conll import read_conll, to_iob2  # noqa: E402
 from bertpipe.jobs.tuning.conlleval import score as conll_score  # noqa: E402
-from bertpipe.pipeline.tokenizer import load_tokenizer  # noqa: E402
+from bertpipe.pipeline.formats.tokenizer import load_tokenizer  # noqa: E402
 from bertpipe.jobs.tuning.loop import pad_rows, run_trial  # noqa: E402
 from bertpipe.jobs.tuning.words import build_rows  # noqa: E402
 from bertpipe.model.bert import IGNORE_INDEX  # noqa: E402

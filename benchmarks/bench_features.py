@@ -28,8 +28,8 @@ from bertpipe.jobs.features.config import FeaturesConfig  # noqa: E402
 from bertpipe.jobs.features.extract import load_encoder, word_features  # noqa: E402
 from bertpipe.jobs.ner.config import NerConfig  # noqa: E402
 from bertpipe.jobs.tuning.conll import format_predictions, read_conll  # noqa: E402
-from bertpipe.pipeline.tokenizer import load_tokenizer  # noqa: E402
-from bertpipe.pipeline.stage import StageContext, StageInput  # noqa: E402
+from bertpipe.pipeline.formats.tokenizer import load_tokenizer  # noqa: E402
+from bertpipe.pipeline.framework.stage import StageContext, StageInput  # noqa: E402
 
 CONLL = REPO.parent / "shared" / "data" / "conll2003"
 

@@ -71,7 +71,7 @@ def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
     from bertpipe.jobs.pretrain import worker
     from bertpipe.jobs.pretrain.length_binning import length_binned
     from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
-    from bertpipe.pipeline.ray_reads import read_parquet
+    from bertpipe.pipeline.framework.ray_reads import read_parquet
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -143,7 +143,7 @@ def fanout(model: Path, data: TaskData, recipe: GlueConfig, seed: int, concurren
     from bertpipe.jobs.tracking import RunLogger
     from bertpipe.jobs.tuning.fanout import Trial, run_all
     from bertpipe.jobs.tuning.inputs import read_model_files
-    from bertpipe.pipeline import parts, storage
+    from bertpipe.pipeline.framework import parts, storage
 
     cfg = dataclasses.replace(recipe, cpus_per_trial=1, max_concurrent_trials=concurrency)
     files, task = read_model_files(str(model)), GlueTask(data)

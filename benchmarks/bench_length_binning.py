@@ -47,7 +47,7 @@ def read_rows(pairs: Path, L: int) -> tuple[dict[str, np.ndarray], list[str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from bertpipe.pipeline.shards import list_shards
+    from bertpipe.pipeline.formats.shards import list_shards
 
     files, _ = list_shards(str(pairs), L)
     table = pa.concat_tables([pq.read_table(f) for f in files])

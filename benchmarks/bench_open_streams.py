@@ -5,7 +5,8 @@ once as loop.open_streams opens them; the time until every worker holds its firs
     python benchmarks/bench_open_streams.py PAIRS_FOLDER [--cpus 4] [--repeats 3]
 
 PAIRS_FOLDER is a pairs stage's output (`make run` leaves one in work/tiny/pairs). Side by side in one Ray: Ray
-Data's default Parquet reader (DataSourceV2) and the one the product uses (pipeline/ray_reads.py), alternating.
+Data's default Parquet reader (DataSourceV2) and the one the product uses (pipeline/framework/ray_reads.py),
+alternating.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
 
 
 def datasets(pairs: str, reader) -> list:
-    from bertpipe.pipeline.shards import list_shards
+    from bertpipe.pipeline.formats.shards import list_shards
 
     out = []
     for length in (128, 512):
@@ -54,7 +55,7 @@ def main() -> None:
     import ray
     import ray.data
 
-    from bertpipe.pipeline.ray_reads import read_parquet
+    from bertpipe.pipeline.framework.ray_reads import read_parquet
 
     pairs = os.path.abspath(args.pairs)
     ray.init(num_cpus=args.cpus, log_to_driver=False, include_dashboard=False)
@@ -62,7 +63,7 @@ def main() -> None:
     context.enable_progress_bars = False
     context.execution_options.preserve_order = True  # as the pre-training stage runs them
     readers = {"Ray Data default (DataSourceV2)": lambda files: ray.data.read_parquet(files, columns=COLUMNS),
-               "bertpipe (pipeline/ray_reads.py)": lambda files: read_parquet(files, COLUMNS)}
+               "bertpipe (pipeline/framework/ray_reads.py)": lambda files: read_parquet(files, COLUMNS)}
     times: dict[str, list[float]] = {name: [] for name in readers}
     for _ in range(args.repeats):
         for name, reader in readers.items():

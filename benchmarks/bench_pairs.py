@@ -39,11 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from bertpipe.pipeline.instances import derive_seed  # noqa: E402
-from bertpipe.pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
-from bertpipe.pipeline.sentences import split_sentences  # noqa: E402
-from bertpipe.pipeline.tokenizer import MAX_CHARS_PER_WORD  # noqa: E402
-from bertpipe.pipeline.vocab import load_vocab, make_tokenizer  # noqa: E402
+from bertpipe.pipeline.stages.instances import derive_seed  # noqa: E402
+from bertpipe.pipeline.stages.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
+from bertpipe.pipeline.stages.sentences import split_sentences  # noqa: E402
+from bertpipe.pipeline.formats.tokenizer import MAX_CHARS_PER_WORD  # noqa: E402
+from bertpipe.pipeline.formats.vocabulary import load_vocab, make_tokenizer  # noqa: E402
 
 
 # ------------------------------------------------- (a) the original tokenizer: pure-Python basic + WordPiece
@@ -242,8 +242,8 @@ def load_corpus(clean_dir: str | None, tmp: Path) -> tuple[list[str], str, str]:
         texts = [t for f in files for t in pq.read_table(f, columns=["text"]).column(0).to_pylist()]
         return texts, clean_dir, clean_dir
     from _clean_docs import crude_docs, write_clean_folder
-    from bertpipe.pipeline.config import SAMPLE_DUMP
-    from bertpipe.pipeline.sample import fetch_sample
+    from bertpipe.pipeline.stages.config import SAMPLE_DUMP
+    from bertpipe.pipeline.stages.sample import fetch_sample
 
     dump = fetch_sample(REPO / "data" / "sample")[Path(SAMPLE_DUMP).name]
     docs = crude_docs(dump)
@@ -272,9 +272,9 @@ def time_ray_stage(clean_dir: str, vocab: str, seq: int, dupe: int, tmp: Path) -
     """(ray.init seconds, run_stage wall seconds, metrics) of the whole `pairs` stage on local Ray."""
     import ray
 
-    from bertpipe.pipeline import pairs
-    from bertpipe.pipeline.config import PairsConfig
-    from bertpipe.pipeline.stage import StageContext, StageInput
+    from bertpipe.pipeline.stages import pairs
+    from bertpipe.pipeline.stages.config import PairsConfig
+    from bertpipe.pipeline.framework.stage import StageContext, StageInput
 
     t0 = time.perf_counter()
     ray.init(include_dashboard=False, log_to_driver=False,

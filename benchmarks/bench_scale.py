@@ -131,7 +131,7 @@ class Sampler:
 def run_stages(dump: Path, work: Path, args) -> dict[str, dict]:
     from bertpipe.jobs import workflow
     from bertpipe.jobs.config import load_config
-    from bertpipe.pipeline.stage import read_manifest
+    from bertpipe.pipeline.framework.stage import read_manifest
 
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
         f"clean.input=[{dump}]", f"ray.num_cpus={args.num_cpus}", "ray.dashboard=false", "mlflow.tracking_uri=off",
@@ -157,8 +157,8 @@ def pure_clean(dump: Path) -> float:
     """MB of wikitext per second, one process."""
     import numpy as np
 
-    from bertpipe.pipeline.clean import clean_pages_batch
-    from bertpipe.pipeline.dump_reader import iter_pages
+    from bertpipe.pipeline.stages.clean import clean_pages_batch
+    from bertpipe.pipeline.stages.dump_reader import iter_pages
 
     t, mb, batch = time.perf_counter(), 0.0, []
 
@@ -184,9 +184,9 @@ def pure_pairs(clean_dir: Path, vocab: Path, docs_per_pool: int = 2_000) -> floa
     """Corpus tokens per second through tokenize + pair at 128 and 512 (dupe 10), one process."""
     import pyarrow.parquet as pq
 
-    from bertpipe.pipeline import shards
-    from bertpipe.pipeline.pairs import cached_tokenizers, encode_documents, pair_table
-    from bertpipe.pipeline.vocab import load_vocab, special_ids
+    from bertpipe.pipeline.formats import shards
+    from bertpipe.pipeline.stages.pairs import cached_tokenizers, encode_documents, pair_table
+    from bertpipe.pipeline.formats.vocabulary import load_vocab, special_ids
 
     tokens_list = load_vocab(str(vocab))
     sp = special_ids(tokens_list)
@@ -205,9 +205,9 @@ def pure_pairs(clean_dir: Path, vocab: Path, docs_per_pool: int = 2_000) -> floa
 
 def pure_vocab(clean_dir: Path, sample_mb: float, seed: int) -> float:
     """Seconds of `train_vocab` on the sample the stage drew (same pieces and seed), in this process."""
-    from bertpipe.pipeline.config import VocabConfig
-    from bertpipe.pipeline.documents import document_files, sample_pieces, text_pieces
-    from bertpipe.pipeline.vocab import train_vocab
+    from bertpipe.pipeline.stages.config import VocabConfig
+    from bertpipe.pipeline.stages.documents import document_files, sample_pieces, text_pieces
+    from bertpipe.pipeline.stages.vocab import train_vocab
 
     pieces = sample_pieces(text_pieces(document_files(str(clean_dir))), int(sample_mb * 1e6), seed)
     t = time.perf_counter()
@@ -287,7 +287,7 @@ def clean_workers(dump: Path, tmp: Path, args) -> dict[int, float]:
     """The clean stage on one multistream dump with 1 and with 2 read workers."""
     from bertpipe.jobs import workflow
     from bertpipe.jobs.config import load_config
-    from bertpipe.pipeline.stage import read_manifest
+    from bertpipe.pipeline.framework.stage import read_manifest
 
     out = {}
     for workers in (1, 2):

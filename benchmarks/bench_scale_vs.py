@@ -33,7 +33,7 @@ import bench_scale
 from bertpipe.jobs import workflow
 from bertpipe.jobs.cluster import ensure_ray
 from bertpipe.jobs.config import load_config
-from bertpipe.pipeline.stage import read_manifest
+from bertpipe.pipeline.framework.stage import read_manifest
 
 dump, work, cpus = Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
 cfg = load_config(str(bench_scale.REPO / "configs" / "tiny.yaml"), [

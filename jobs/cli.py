@@ -16,10 +16,10 @@ from pathlib import Path
 
 from bertpipe.jobs import causes, ending, interrupts
 from bertpipe.jobs.configtools import ConfigError
-from bertpipe.pipeline import redact, storage
-from bertpipe.pipeline.paths import WorkdirPaths
-from bertpipe.pipeline.stage import StageInputError
-from bertpipe.pipeline.workdir_lock import WorkdirBusy
+from bertpipe.pipeline.framework import redact, storage
+from bertpipe.pipeline.framework.paths import WorkdirPaths
+from bertpipe.pipeline.framework.stage import StageInputError
+from bertpipe.pipeline.framework.workdir_lock import WorkdirBusy
 
 
 def _version() -> str:
@@ -98,8 +98,8 @@ def _log_copy_uri(workdir: str, log_path: str) -> str:
 
 
 def _copy_log(log_path: str, copy_uri: str, workflow_run: dict[str, str]) -> str:
-    """At the end of a remote workdir's run: the log file as it is now, into the workdir (pipeline/storage.py) and,
-    when the run was tracked, into the MLflow workflow run's artifacts (logs/). Best effort: "" when the copy
+    """At the end of a remote workdir's run: the log file as it is now, into the workdir (pipeline/framework/storage.py)
+    and, when the run was tracked, into the MLflow workflow run's artifacts (logs/). Best effort: "" when the copy
     reached the workdir, else why not (one line); either way the local file stays where it is."""
     if not copy_uri:
         return ""
@@ -201,7 +201,7 @@ def _closing_lines(args, log_path: str, first: str, stage: str | None, fix: bool
 
 def cmd_run(args) -> int:
     from bertpipe.jobs import console, workflow
-    from bertpipe.pipeline import workdir_lock
+    from bertpipe.pipeline.framework import workdir_lock
 
     cfg = _config(args)
     # Renamed stages under their new names (warned once, here), so the commands printed later use them too.
@@ -219,7 +219,7 @@ def cmd_run(args) -> int:
 def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
     from bertpipe.jobs import console, next_steps, tracking, workflow
     from bertpipe.jobs.config import resolved_tracking_uri
-    from bertpipe.pipeline import progress
+    from bertpipe.pipeline.framework import progress
 
     plans = workflow.preflight(cfg, selected)  # bad input: one line, nothing written
     # An MLflow server that does not answer: one line now, rather than a traceback after MLflow's retries.
@@ -326,7 +326,7 @@ def cmd_config(args) -> int:
 def cmd_fetch_sample(args) -> int:
     from pathlib import Path
 
-    from bertpipe.pipeline.sample import fetch_sample
+    from bertpipe.pipeline.stages.sample import fetch_sample
 
     for name, path in fetch_sample(Path(args.dest)).items():
         print(f"{path}  ({path.stat().st_size:,} bytes)")

@@ -16,9 +16,10 @@ from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.ner.config import NerConfig
 from bertpipe.jobs.squad.config import SquadConfig
 from bertpipe.jobs.pretrain.config import FROM_INIT, ModelConfig, PretrainConfig
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.config import CleanConfig, PairsConfig, VocabConfig, at_least, path_field, within
-from bertpipe.pipeline.paths import WorkdirPaths
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.config_fields import at_least, path_field, within
+from bertpipe.pipeline.stages.config import CleanConfig, PairsConfig, VocabConfig
+from bertpipe.pipeline.framework.paths import WorkdirPaths
 
 
 @dataclass(frozen=True, kw_only=True)

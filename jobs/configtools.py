@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 T = TypeVar("T")
 YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
@@ -184,7 +184,8 @@ def absolute(value: str, base: str) -> str:
 
 
 def resolve_paths(obj: T, base: str) -> T:
-    """A copy of config `obj` whose every path field (`pipeline.config.path_field`, at any depth) is absolute or a URI.
+    """A copy of config `obj` whose every path field (`pipeline.framework.config_fields.path_field`, at any depth) is
+    absolute or a URI.
 
     The one place relative paths are interpreted: on the driver, against the directory the user ran from.
     Nothing downstream (stages, Ray tasks, Train workers, whose working directory is Ray's) sees a relative path.

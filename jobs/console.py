@@ -1,6 +1,6 @@
 """What `bertpipe run` prints: the project's own lines only (library chatter goes to the log file unless
---verbose). A header saying what runs where, `[stage k/N]` lines, live progress (pipeline/progress.py), and at the
-end the summary table, the GLUE table and where everything is (jobs/next_steps.py). Commands it prints work as
+--verbose). A header saying what runs where, `[stage k/N]` lines, live progress (pipeline/framework/progress.py), and
+at the end the summary table, the GLUE table and where everything is (jobs/next_steps.py). Commands it prints work as
 printed in the shell that ran `bertpipe` (`tool`)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bertpipe.pipeline import progress, storage
-from bertpipe.pipeline.redact import mask
+from bertpipe.pipeline.framework import progress, storage
+from bertpipe.pipeline.framework.redact import mask
 
 log = logging.getLogger("bertpipe")
 

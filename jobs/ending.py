@@ -13,7 +13,7 @@ import logging
 import sys
 import threading
 
-from bertpipe.pipeline import progress
+from bertpipe.pipeline.framework import progress
 
 log = logging.getLogger("bertpipe.ending")
 _enabled = False

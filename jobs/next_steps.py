@@ -13,9 +13,9 @@ import shlex
 from typing import Any
 
 from bertpipe.jobs import console
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.paths import WorkdirPaths
-from bertpipe.pipeline.stage import read_manifest
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.paths import WorkdirPaths
+from bertpipe.pipeline.framework.stage import read_manifest
 
 log = logging.getLogger("bertpipe")
 UI_PORT = 5000  # `mlflow ui`'s default port

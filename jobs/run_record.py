@@ -18,8 +18,8 @@ import socket
 import time
 from typing import Callable
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.redact import mask
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.redact import mask
 
 NAME = ".bertpipe.mlflow-runs.json"
 log = logging.getLogger(__name__)

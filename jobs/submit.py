@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bertpipe.pipeline.redact import has_credentials, is_secret_name, mask, strip_userinfo
+from bertpipe.pipeline.framework.redact import has_credentials, is_secret_name, mask, strip_userinfo
 
 DEFAULT_DASHBOARD = "http://127.0.0.1:8265"
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}

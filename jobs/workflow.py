@@ -25,13 +25,13 @@ from bertpipe.jobs import console, ending, run_record
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.glue.report import as_fractions
-from bertpipe.pipeline import outputs, parts, progress, storage
+from bertpipe.pipeline.framework import outputs, parts, progress, storage
 from bertpipe.jobs.interrupts import interrupt_text, reinstall as reinstall_interrupts
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
-from bertpipe.pipeline.identity import describe_tree
-from bertpipe.pipeline.paths import WorkdirPaths
-from bertpipe.pipeline.redact import mask_data
-from bertpipe.pipeline.stage import (CONFIG_NAME, SCHEMA_VERSION, StageContext, StageInput, StageInputError,
+from bertpipe.pipeline.framework.identity import describe_tree
+from bertpipe.pipeline.framework.paths import WorkdirPaths
+from bertpipe.pipeline.framework.redact import mask_data
+from bertpipe.pipeline.framework.stage import (CONFIG_NAME, SCHEMA_VERSION, StageContext, StageInput, StageInputError,
                                      manifest_state, read_manifest, write_manifest)
 
 log = logging.getLogger("bertpipe")
@@ -68,7 +68,8 @@ class Stage:
     # needs data the user must point at (SQuAD and CoNLL files).
     opt_in: bool = False
     # The names the stage writes in its folder (glob patterns, `*` crossing folders), announced in the run record
-    # before it writes: a run killed outright leaves files the next run knows as its own (pipeline/outputs.py).
+    # before it writes: a run killed outright leaves files the next run knows as its own
+    # (pipeline/framework/outputs.py).
     # tests/test_crash_resume.py checks them against what real runs write.
     writes: tuple[str, ...] = ()
 
@@ -83,13 +84,15 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("clean", ("clean",), (), "bertpipe.pipeline.clean:run_stage", "bertpipe.pipeline.clean:describe_raw_inputs",
-          check="bertpipe.pipeline.clean:preflight", writes=("docs-*.parquet",)),
-    Stage("vocab", ("vocab",), ("clean",), "bertpipe.pipeline.vocab:run_stage",
-          "bertpipe.pipeline.vocab:describe_raw_inputs", explicit=(("clean", "vocab.input"),),
-          check="bertpipe.pipeline.vocab:preflight", writes=("vocab.txt", "tokenizer.json")),
-    Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.pairs:run_stage",
-          explicit=(("clean", "pairs.input"), ("vocab", "vocab.path")), check="bertpipe.pipeline.vocab:preflight",
+    Stage("clean", ("clean",), (), "bertpipe.pipeline.stages.clean:run_stage",
+          "bertpipe.pipeline.stages.clean:describe_raw_inputs",
+          check="bertpipe.pipeline.stages.clean:preflight", writes=("docs-*.parquet",)),
+    Stage("vocab", ("vocab",), ("clean",), "bertpipe.pipeline.stages.vocab:run_stage",
+          "bertpipe.pipeline.stages.vocab:describe_raw_inputs", explicit=(("clean", "vocab.input"),),
+          check="bertpipe.pipeline.stages.vocab:preflight", writes=("vocab.txt", "tokenizer.json")),
+    Stage("pairs", ("pairs", "vocab"), ("clean", "vocab"), "bertpipe.pipeline.stages.pairs:run_stage",
+          explicit=(("clean", "pairs.input"), ("vocab", "vocab.path")),
+          check="bertpipe.pipeline.stages.vocab:preflight",
           writes=("seq*/*.parquet", "_parts/seq*/*.arrow", "instances*")),
     # pretrain first: its raw inputs (pretrain.init's files) are described from the first section.
     Stage("pretrain", ("pretrain", "model"), ("pairs", "vocab"), "bertpipe.jobs.pretrain.stage:run_stage",
@@ -209,6 +212,11 @@ def raw_inputs_of(cfg: RootConfig, stage: Stage) -> list[dict[str, Any]]:
 
 def fingerprint(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], raw: list[dict[str, Any]],
                 explicit_ids: dict[str, list[dict[str, Any]]]) -> str:
+    """The hash a committed manifest must carry for the stage to count as fresh: the stage's config sections, the
+    seed, the schema version (pipeline/framework/stage.py `SCHEMA_VERSION`), the identity (uri, size, checksum) of
+    its raw inputs, and per input the upstream manifest's output id, or, for an input the user named explicitly,
+    that input's checksums. So a changed config field, a different dump, or a rerun of an upstream stage makes this
+    stage and everything after it stale."""
     upstream = {}
     for name, inp in sorted(inputs.items()):
         upstream[name] = ([{k: r.get(k) for k in ("uri", "size", "checksum")} for r in explicit_ids[name]]
@@ -523,7 +531,8 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     started = time.time()
     # Uncommits the folder (its manifest goes first, so a crash never leaves a committed half-output) and deletes
     # only what earlier runs of this stage wrote; anything else there stops the run, nothing deleted.
-    # Trials a failed run of the stage finished stay (pipeline/parts.py): the stage reuses those of the same config.
+    # Trials a failed run of the stage finished stay (pipeline/framework/parts.py): the stage reuses those of the
+    # same config.
     run_id = outputs.claim(uri, stage.name, keep_parts, stage.writes)
     kept = parts.count(uri)
     if kept:

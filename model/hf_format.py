@@ -180,7 +180,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, vocab_path: 
     """Write model.safetensors (HF names of the matching transformers class), config.json and, when
     `vocab_path` is given, a copy of it as vocab.txt (its line count must equal config.vocab_size).
     A classifier's config names its labels (`label_names`, one per output; LABEL_<i> without them).
-    `tokenizer_files` ({name: text}, pipeline/tokenizer.py `tokenizer_files`: the casing and special tokens that
+    `tokenizer_files` ({name: text}, pipeline/formats/tokenizer.py `tokenizer_files`: the casing and special tokens that
     AutoTokenizer reads) are written as given. Each file is written to a temporary name and renamed, so a crash
     leaves no half-written file."""
     model = _unwrap(model)

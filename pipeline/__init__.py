@@ -1,1 +1,8 @@
-"""Data stages of the BERT pre-training pipeline (Ray Data): clean -> vocab -> pairs."""
+"""The data side of the BERT pre-training pipeline, in three layers (README "House rules" draws them,
+tests/test_layers.py checks them):
+
+- `framework`: what every stage and job uses: the stage contract and manifests, storage, workdir paths, outputs and
+  kept parts, input identity, progress, redaction, the workdir lock, config field checks;
+- `formats`: the files the data stages hand to training: shards, the vocabulary and the tokenizer over it;
+- `stages`: the data stages themselves (Ray Data): clean -> vocab -> pairs.
+"""

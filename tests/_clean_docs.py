@@ -45,7 +45,7 @@ def crude_docs(dump: Path, min_chars: int = 400) -> list[dict]:
 
 def write_clean_folder(docs: list[dict], folder: Path, rows_per_file: int = 37) -> Path:
     """Clean-stage-shaped folder (docs-*.parquet + a committed manifest) from `docs`."""
-    from bertpipe.pipeline.stage import StageResult, write_manifest
+    from bertpipe.pipeline.framework.stage import StageResult, write_manifest
     import time
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -62,9 +62,9 @@ def clean_folder(enwiki_sample: Path, tmp: Path, ray_ok: bool = False) -> tuple[
     """A clean folder for the enwiki sample: the real clean stage when importable (and Ray is up), else crude."""
     if ray_ok:
         try:
-            from bertpipe.pipeline import clean  # noqa: F401
-            from bertpipe.pipeline.config import CleanConfig
-            from bertpipe.pipeline.stage import StageContext, write_manifest
+            from bertpipe.pipeline.stages import clean  # noqa: F401
+            from bertpipe.pipeline.stages.config import CleanConfig
+            from bertpipe.pipeline.framework.stage import StageContext, write_manifest
             import time
 
             out = tmp / "clean"

@@ -31,7 +31,7 @@ def _mlflow_tracking_uri_left_as_found():
 @pytest.fixture(scope="session")
 def sample_dumps() -> dict[str, Path]:
     """The three real sample dumps from the gensim 4.4.0 wheel (downloaded once by `bertpipe fetch-sample`)."""
-    from bertpipe.pipeline.sample import fetch_sample
+    from bertpipe.pipeline.stages.sample import fetch_sample
 
     return {name: path.resolve() for name, path in fetch_sample(REPO / "data" / "sample").items()}
 

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
-from bertpipe.pipeline.shards import seq_dir, shard_meta, shard_schema, train_shard_name, write_shard
-from bertpipe.pipeline.stage import StageContext, StageInput, StageResult, read_manifest, write_manifest
-from bertpipe.pipeline.vocab import vocab_hash
+from bertpipe.pipeline.formats.shards import seq_dir, shard_meta, shard_schema, train_shard_name, write_shard
+from bertpipe.pipeline.framework.stage import StageContext, StageInput, StageResult, read_manifest, write_manifest
+from bertpipe.pipeline.formats.vocabulary import vocab_hash
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 NUM_WORDS = 40

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from clean_helpers import split_dump, write_multistream
-from bertpipe.pipeline.clean import clean_pages_batch, describe_raw_inputs, run_stage
-from bertpipe.pipeline.config import CleanConfig
-from bertpipe.pipeline.stage import StageContext, StageInputError
+from bertpipe.pipeline.stages.clean import clean_pages_batch, describe_raw_inputs, run_stage
+from bertpipe.pipeline.stages.config import CleanConfig
+from bertpipe.pipeline.framework.stage import StageContext, StageInputError
 
 # 106 articles in the enwiki sample (206 pages - 100 redirects) minus 8 disambiguation pages (5 titled
 # "(disambiguation)", plus Ada, Alien and Aa River tagged {{disambiguation}}/{{geodis}}) minus 1 page under

@@ -9,7 +9,7 @@ import pytest
 
 from bertpipe.jobs.config import RootConfig, load_config
 from bertpipe.jobs.configtools import ConfigError, from_dict, stable_hash, to_dict
-from bertpipe.pipeline.config import PairsConfig
+from bertpipe.pipeline.stages.config import PairsConfig
 
 
 def test_presets_load_and_every_preset_is_valid():

@@ -4,8 +4,8 @@ with exit 0, redoes or resumes what the killed run left (pretrain from its last 
 fine-tuning trials reused), the committed result equals an uninterrupted run's where the stage is deterministic,
 and a user's file is never deleted. Each point is hit from outside, at a file's appearance: no hook in the product.
 
-The rule under test (pipeline/outputs.py): the run record announces the stage's output names before the run writes;
-a file matching them in a folder a killed run left is that run's. The names are checked against what real runs
+The rule under test (pipeline/framework/outputs.py): the run record announces the stage's output names before the run
+writes; a file matching them in a folder a killed run left is that run's. The names are checked against what real runs
 write (the first hour's `make run`).
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import pytest
 
 from bertpipe.jobs.pretrain.checkpoints import STATE_FILE
 from bertpipe.jobs.workflow import STAGES
-from bertpipe.pipeline import outputs
-from bertpipe.pipeline.outputs import ForeignFilesError
-from bertpipe.pipeline.stage import BOOKKEEPING, read_manifest
+from bertpipe.pipeline.framework import outputs
+from bertpipe.pipeline.framework.outputs import ForeignFilesError
+from bertpipe.pipeline.framework.stage import BOOKKEEPING, read_manifest
 import test_faults
 from test_faults import BIN, QUIET, cli_env, copy_of, ray_processes
 from waiting import wait_until

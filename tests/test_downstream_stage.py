@@ -10,7 +10,7 @@ import pytest
 
 from bertpipe.jobs import workflow
 from bertpipe.jobs.config import load_config
-from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError
+from bertpipe.pipeline.framework.stage import StageContext, StageInput, StageInputError
 
 CONTEXTS = ["Paris is the capital and most populous city of France, on the Seine.",
             "The Denver Broncos won Super Bowl 50 in February 2016 at Levi's Stadium.",

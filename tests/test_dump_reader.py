@@ -7,8 +7,8 @@ import tracemalloc
 import pytest
 
 from clean_helpers import page_id, split_dump, write_multistream
-from bertpipe.pipeline.dump_reader import ReadUnit, expand_inputs, find_index, iter_pages, plan_units
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.stages.dump_reader import ReadUnit, expand_inputs, find_index, iter_pages, plan_units
+from bertpipe.pipeline.framework.stage import StageInputError
 
 
 @pytest.fixture(scope="module")

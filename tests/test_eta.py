@@ -1,5 +1,5 @@
 """The pieces behind "no silent minute": the pre-training ETA's arithmetic (jobs/pretrain/eta.py) and the console's
-heartbeat (pipeline/progress.py). The whole, on a real run, is tests/test_first_hour.py."""
+heartbeat (pipeline/framework/progress.py). The whole, on a real run, is tests/test_first_hour.py."""
 from __future__ import annotations
 
 import time
@@ -8,7 +8,7 @@ import pytest
 
 from bertpipe.jobs.config import load_config
 from bertpipe.jobs.pretrain import eta
-from bertpipe.pipeline import progress
+from bertpipe.pipeline.framework import progress
 
 
 @pytest.fixture

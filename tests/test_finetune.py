@@ -18,11 +18,11 @@ from bertpipe.jobs.glue.report import submission_rows
 from bertpipe.jobs.glue.stage import run_stage
 from bertpipe.jobs.glue.trial import GlueTask, collate, encode
 from bertpipe.jobs.tuning.fanout import trial_seed
-from bertpipe.pipeline.tokenizer import load_tokenizer
+from bertpipe.pipeline.formats.tokenizer import load_tokenizer
 from bertpipe.jobs.tuning.loop import optimizer_and_schedule, run_trial
 from bertpipe.jobs.glue.sample import sample_files, write_sample
 from bertpipe.jobs.glue.tasks import TASKS, read_task
-from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError
+from bertpipe.pipeline.framework.stage import StageContext, StageInput, StageInputError
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
 
 @pytest.mark.integration
 def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path, capsys):
-    from bertpipe.pipeline import progress
+    from bertpipe.pipeline.framework import progress
 
     cfg = GlueConfig(init=str(tiny_model), tasks=("WNLI", "CoLA"), learning_rates=(1e-3,), num_epochs=1,
                          max_concurrent_trials=1)

@@ -12,9 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs  # noqa: E402
 
-from bertpipe.pipeline.instances import _truncate_pair, create_spans, gather_instances  # noqa: E402
-from bertpipe.pipeline.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
-from bertpipe.pipeline.vocab import make_tokenizer  # noqa: E402
+from bertpipe.pipeline.stages.instances import _truncate_pair, create_spans, gather_instances  # noqa: E402
+from bertpipe.pipeline.stages.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
+from bertpipe.pipeline.formats.vocabulary import make_tokenizer  # noqa: E402
 
 CLS, SEP = 101, 102
 
@@ -40,7 +40,7 @@ def _pairs(corpus, seq=61, dupe=3, seed=7):
 
 def test_encode_documents_matches_plain_tokenizer(enwiki_sample, google_vocab):
     """The ASCII fast path and the batching give exactly the ids of one full `encode` per sentence."""
-    from bertpipe.pipeline.sentences import split_sentences
+    from bertpipe.pipeline.stages.sentences import split_sentences
 
     docs = crude_docs(enwiki_sample)[:23] + [{"text": "Ça coûte 3 € à Zürich.\nＴｅｓｔ 東京 naïve café."}]
     texts = [d["text"] for d in docs]
@@ -144,10 +144,10 @@ def test_gather_int32_for_large_vocab(corpus):
 def test_pairs_shows_its_first_instances_decoded(corpus, google_vocab, tmp_path, caplog):
     """What BERT will see, for a human: the first rows of a real shard decoded as create_pretraining_data.py logs
     them, in the log, the stage's MLflow run (ctx.log_text) and its folder."""
-    from bertpipe.pipeline import shards
-    from bertpipe.pipeline.pairs import SAMPLE_FILE, SAMPLE_INSTANCES, show_instances
-    from bertpipe.pipeline.stage import StageContext
-    from bertpipe.pipeline.vocab import load_vocab, special_ids
+    from bertpipe.pipeline.formats import shards
+    from bertpipe.pipeline.stages.pairs import SAMPLE_FILE, SAMPLE_INSTANCES, show_instances
+    from bertpipe.pipeline.framework.stage import StageContext
+    from bertpipe.pipeline.formats.vocabulary import load_vocab, special_ids
 
     tokens = load_vocab(google_vocab)
     table, _ = _pairs(corpus, seq=64)
@@ -158,7 +158,7 @@ def test_pairs_shows_its_first_instances_decoded(corpus, google_vocab, tmp_path,
     logged = []
     ctx = StageContext(name="pairs", output_uri=str(tmp_path / "pairs"), config={}, seed=1, inputs={},
                        log_text=lambda text, name: logged.append((name, text)))
-    with caplog.at_level("INFO", logger="bertpipe.pipeline.pairs"):
+    with caplog.at_level("INFO", logger="bertpipe.pipeline.stages.pairs"):
         text = show_instances(ctx, shard, tokens)
     assert logged == [(SAMPLE_FILE, text)] and (tmp_path / "pairs" / SAMPLE_FILE).read_text() == text
     assert text in caplog.text

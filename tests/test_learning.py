@@ -13,7 +13,7 @@ from bertpipe.jobs.config import load_config
 from bertpipe.jobs.pretrain.baselines import baselines, best_threshold
 from bertpipe.jobs.pretrain.curves import curve_pngs
 from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, collate
-from bertpipe.pipeline.shards import shard_meta, shard_schema, write_shard
+from bertpipe.pipeline.formats.shards import shard_meta, shard_schema, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
 # the five specials, 20 word starts (ids 5..24), 20 "##" continuation pieces (ids 25..44)

@@ -12,7 +12,7 @@ import pytest
 
 from bertpipe.jobs import workflow
 from bertpipe.jobs.config import load_config
-from bertpipe.pipeline.stage import read_manifest
+from bertpipe.pipeline.framework.stage import read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 # Both phases, a held-out evaluation and a checkpoint in 4 steps; dupe_factor 1 keeps pairs short.

@@ -98,7 +98,7 @@ _BOARD_PLACES = """
 import json, sys
 import ray
 from ray._private import state
-from bertpipe.pipeline import progress
+from bertpipe.pipeline.framework import progress
 
 ray.init(address=sys.argv[1], log_to_driver=False)
 head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
@@ -220,7 +220,7 @@ def test_a_glue_trial_on_a_lost_node_runs_again_elsewhere_and_is_no_task_failure
     """One fine-tuning trial (1 CPU) on one of two 1-CPU worker nodes; that node is killed mid-trial. Ray runs the
     trial again on the other node; the stage commits both tasks' results, none reported failed."""
     from bertpipe.jobs.glue.sample import write_sample
-    from bertpipe.pipeline.stage import read_manifest
+    from bertpipe.pipeline.framework.stage import read_manifest
 
     glue = write_sample(str(tmp_path / "glue"))
     sets = [f"glue.init={tiny_bert}", f"glue.glue_data_dir={glue}", "glue.tasks=[SST-2]",

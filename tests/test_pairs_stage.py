@@ -13,9 +13,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import clean_folder  # noqa: E402
 
-from bertpipe.pipeline import shards  # noqa: E402
-from bertpipe.pipeline.config import PairsConfig, VocabConfig  # noqa: E402
-from bertpipe.pipeline.stage import StageContext, StageInput, read_manifest, write_manifest  # noqa: E402
+from bertpipe.pipeline.formats import shards  # noqa: E402
+from bertpipe.pipeline.stages.config import PairsConfig, VocabConfig  # noqa: E402
+from bertpipe.pipeline.framework.stage import StageContext, StageInput, read_manifest, write_manifest  # noqa: E402
 
 
 def _run(module, name, out, config, inputs, seed=12345):
@@ -30,7 +30,7 @@ def _run(module, name, out, config, inputs, seed=12345):
 
 @pytest.fixture(scope="module")
 def built(ray_local, enwiki_sample, tmp_path_factory):
-    from bertpipe.pipeline import pairs, vocab
+    from bertpipe.pipeline.stages import pairs, vocab
 
     tmp = tmp_path_factory.mktemp("pairs")
     clean, source = clean_folder(enwiki_sample, tmp, ray_ok=True)
@@ -87,7 +87,7 @@ def test_same_seed_same_bytes_other_seed_differs(built):
 
 
 def test_part_files_are_gone_and_buckets_divide_the_shards(built):
-    from bertpipe.pipeline.pairs import MAX_BUCKETS, PARTS_DIR, num_buckets
+    from bertpipe.pipeline.stages.pairs import MAX_BUCKETS, PARTS_DIR, num_buckets
 
     tmp, cfg, _, runs, _ = built
     assert not (tmp / "pairs0" / PARTS_DIR).exists()
@@ -98,7 +98,7 @@ def test_part_files_are_gone_and_buckets_divide_the_shards(built):
 
 def test_the_stage_shows_its_first_instances_decoded(built):
     """instances.txt (also logged, and an MLflow artifact under the workflow): the first rows of the first shard."""
-    from bertpipe.pipeline.pairs import SAMPLE_FILE, SAMPLE_INSTANCES
+    from bertpipe.pipeline.stages.pairs import SAMPLE_FILE, SAMPLE_INSTANCES
 
     tmp, _, _, _, _ = built
     vocab = (tmp / "vocab" / "vocab.txt").read_text(encoding="utf-8").split("\n")

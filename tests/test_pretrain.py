@@ -17,7 +17,7 @@ import torch
 from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework.stage import StageInputError
 from pretrain_helpers import SPECIALS, TOKENS, context, export_params, make_inputs, tiny_config
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,7 @@ from bertpipe.jobs.pretrain.config import FROM_INIT, ModelConfig
 from bertpipe.jobs.pretrain.init import heads_line, missing_heads
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
 from bertpipe.model.hf_format import hf_state_dict
-from bertpipe.pipeline.stage import StageInputError, read_manifest
+from bertpipe.pipeline.framework.stage import StageInputError, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM_HEADS = "cls.predictions.bias, cls.predictions.transform.*, cls.seq_relationship.*"

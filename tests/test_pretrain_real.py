@@ -20,8 +20,8 @@ import pytest
 from bertpipe.jobs.pretrain.masking import MaskingSpec
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
-from bertpipe.pipeline.stage import StageContext, StageInput, read_manifest
-from bertpipe.pipeline.vocab import load_vocab, vocab_file
+from bertpipe.pipeline.framework.stage import StageContext, StageInput, read_manifest
+from bertpipe.pipeline.formats.vocabulary import load_vocab, vocab_file
 
 # Slow as a whole (~250 s on 2 cores: the real shards, then 600 steps per ZeRO stage). Faster tests on synthetic
 # shards cover the same behaviours: ZeRO 1 learns (test_pretrain.py::test_zero1_learns_and_tracks_mlflow), ZeRO 3

@@ -1,5 +1,5 @@
-"""pipeline/ray_reads.py: the project's Parquet files reach Ray Data in file order, with the chosen columns, and
-without the footer-reading actor pool of Ray Data's default reader (32 processes per read)."""
+"""pipeline/framework/ray_reads.py: the project's Parquet files reach Ray Data in file order, with the chosen
+columns, and without the footer-reading actor pool of Ray Data's default reader (32 processes per read)."""
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -14,7 +14,7 @@ def footer_readers() -> int:
 def test_rows_come_in_file_order_with_the_columns_asked_and_no_footer_actors(tmp_path, ray_local):
     import ray.data
 
-    from bertpipe.pipeline.ray_reads import read_parquet
+    from bertpipe.pipeline.framework.ray_reads import read_parquet
 
     files = []
     for i in range(3):

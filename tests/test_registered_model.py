@@ -16,7 +16,7 @@ import torch
 from bertpipe.jobs.pretrain.stage import MODEL_DESCRIPTION, register
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
-from bertpipe.pipeline.tokenizer import tokenizer_files
+from bertpipe.pipeline.formats.tokenizer import tokenizer_files
 from conftest import REPO
 from pretrain_helpers import TOKENS
 

@@ -194,7 +194,7 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
                                                                                     capsys):
     import ray.train
 
-    from bertpipe.pipeline import progress
+    from bertpipe.pipeline.framework import progress
 
     progress.enable(True)
     try:

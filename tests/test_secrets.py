@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.pipeline.redact import install_log_masking, is_secret_name, mask, mask_data
+from bertpipe.pipeline.framework.redact import install_log_masking, is_secret_name, mask, mask_data
 
 BIN = Path(sys.executable).parent
 PASSWORD = "Hunter2-x9Q"  # what must never appear

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs  # noqa: E402
 
-from bertpipe.pipeline.sentences import split_sentences  # noqa: E402
+from bertpipe.pipeline.stages.sentences import split_sentences  # noqa: E402
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bertpipe.pipeline import shards
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.formats import shards
+from bertpipe.pipeline.framework.stage import StageInputError
 
 SPECIALS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
 
@@ -57,7 +57,7 @@ def test_check_vocab():
 
 
 def test_list_shards_reads_the_manifest_of_a_committed_folder_and_lists_a_bare_one(tmp_path):
-    from bertpipe.pipeline.stage import StageResult, write_manifest
+    from bertpipe.pipeline.framework.stage import StageResult, write_manifest
 
     schema = shards.shard_schema(30_522, 128, _meta())
     for i in (1, 0, 2):

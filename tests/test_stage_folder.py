@@ -23,10 +23,10 @@ import pytest
 from bertpipe.jobs import workflow
 from bertpipe.jobs.cli import main
 from bertpipe.jobs.config import load_config
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.documents import document_files
-from bertpipe.pipeline.outputs import ForeignFilesError, claim, record_failure
-from bertpipe.pipeline.stage import StageResult, manifest_state, read_manifest, write_manifest
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.stages.documents import document_files
+from bertpipe.pipeline.framework.outputs import ForeignFilesError, claim, record_failure
+from bertpipe.pipeline.framework.stage import StageResult, manifest_state, read_manifest, write_manifest
 
 BIN = Path(sys.executable).parent
 

@@ -19,8 +19,8 @@ def test_every_reference_of_every_stage_resolves(stage):
 
 
 def test_a_missing_module_is_refused_when_the_stage_is_defined():
-    for bad in ("bertpipe.pipeline.vocabb:run_stage", "bertpipe.nowhere.vocab:run_stage", "bertpipe.pipeline.vocab",
-                "bertpipe.pipeline.vocab:"):
+    for bad in ("bertpipe.pipeline.stages.vocabb:run_stage", "bertpipe.nowhere.vocab:run_stage",
+                "bertpipe.pipeline.stages.vocab", "bertpipe.pipeline.stages.vocab:"):
         with pytest.raises(StageReferenceError, match="vocab"):
             Stage("vocab", ("vocab",), (), bad)
 
@@ -28,8 +28,9 @@ def test_a_missing_module_is_refused_when_the_stage_is_defined():
 def test_a_missing_function_is_an_error_at_first_use_not_no_raw_inputs(tmp_path):
     vocab = next(s for s in STAGES if s.name == "vocab")
     cfg = load_config("tiny", [], str(tmp_path))
-    typo = dataclasses.replace(vocab, raw_inputs="bertpipe.pipeline.vocab:describe_raw_input")  # defined: module ok
+    # The module is defined, the function is not.
+    typo = dataclasses.replace(vocab, raw_inputs="bertpipe.pipeline.stages.vocab:describe_raw_input")
     with pytest.raises(StageReferenceError, match="has no describe_raw_input"):
         workflow.raw_inputs_of(cfg, typo)
     with pytest.raises(StageReferenceError, match="not a function"):
-        workflow._load("bertpipe.pipeline.vocab:VOCAB_FILE")
+        workflow._load("bertpipe.pipeline.stages.vocab:VOCAB_FILE")

@@ -203,7 +203,7 @@ def test_zero0_without_a_norm_trains_on():
 
 def test_progress_says_once_what_the_work_is_doing(capsys):
     """A status (e.g. 'compiling the model') is printed at once when it changes, not repeated on every poll."""
-    from bertpipe.pipeline import progress
+    from bertpipe.pipeline.framework import progress
 
     progress.enable(True)
     try:

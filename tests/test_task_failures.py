@@ -19,9 +19,9 @@ from bertpipe.jobs.cli import main
 from bertpipe.jobs.tuning import kept
 from bertpipe.jobs.glue.sample import write_sample
 from bertpipe.jobs.tuning.loop import TrialResult
-from bertpipe.pipeline import outputs, parts
-from bertpipe.pipeline.outputs import ForeignFilesError
-from bertpipe.pipeline.stage import read_manifest
+from bertpipe.pipeline.framework import outputs, parts
+from bertpipe.pipeline.framework.outputs import ForeignFilesError
+from bertpipe.pipeline.framework.stage import read_manifest
 
 PART = "_trials/SST-2/lr=0.001/seed=1"
 

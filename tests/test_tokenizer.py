@@ -1,7 +1,7 @@
-"""The project's one tokenizer (pipeline/tokenizer.py) against Hugging Face's BertTokenizerFast, piece for piece on
-real sentences (GLUE, SQuAD, CoNLL from ../shared/data where present, the Wikipedia sample) and on the hard cases,
-cased and uncased; the pairs stage's fast path gives the same ids; the export loads in AutoTokenizer with its
-casing, and a cased model fine-tunes cased."""
+"""The project's one tokenizer (pipeline/formats/tokenizer.py) against Hugging Face's BertTokenizerFast, piece for piece
+on real sentences (GLUE, SQuAD, CoNLL from ../shared/data where present, the Wikipedia sample) and on the hard cases,
+cased and uncased; the pairs stage's fast path gives the same ids; the export loads in AutoTokenizer with its casing,
+and a cased model fine-tunes cased."""
 from __future__ import annotations
 
 import csv
@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs  # noqa: E402
 from conftest import SHARED_DATA  # noqa: E402
 
-from bertpipe.pipeline.pairs import cached_tokenizers, encode_documents  # noqa: E402
-from bertpipe.pipeline.sentences import split_sentences  # noqa: E402
-from bertpipe.pipeline.tokenizer import (SPECIAL_TOKENS, TOKENIZER_CONFIG, bert_tokenizer,  # noqa: E402
+from bertpipe.pipeline.stages.pairs import cached_tokenizers, encode_documents  # noqa: E402
+from bertpipe.pipeline.stages.sentences import split_sentences  # noqa: E402
+from bertpipe.pipeline.formats.tokenizer import (SPECIAL_TOKENS, TOKENIZER_CONFIG, bert_tokenizer,  # noqa: E402
                                          folder_lowercase, load_tokenizer, read_vocab_file, tokenizer_files)
 
 transformers = pytest.importorskip("transformers")
@@ -83,7 +83,7 @@ def cased_vocab(tmp_path_factory, sentences) -> Path:
     """A cased WordPiece vocabulary trained on the sentences themselves (Google's vocabulary is uncased)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from bertpipe.pipeline.tokenizer import bert_normalizer
+    from bertpipe.pipeline.formats.tokenizer import bert_normalizer
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer, tok.pre_tokenizer = bert_normalizer(False), pre_tokenizers.BertPreTokenizer()
@@ -244,7 +244,7 @@ def test_pretraining_export_carries_the_casing_of_its_shards(tmp_path):
     from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, data_lowercase, export
     from bertpipe.jobs.tracking import RunLogger
     from bertpipe.model import BertConfig, BertForPreTraining
-    from bertpipe.pipeline import shards
+    from bertpipe.pipeline.formats import shards
 
     def shard(lowercase: bool) -> str:
         meta = shards.shard_meta(vocab_hash="x", vocab_size=len(CASED_TOKENS), do_lower_case=lowercase,

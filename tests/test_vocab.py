@@ -10,10 +10,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs, write_clean_folder  # noqa: E402
 
-from bertpipe.pipeline.config import VocabConfig  # noqa: E402
-from bertpipe.pipeline.stage import StageContext, StageInput, StageInputError  # noqa: E402
-from bertpipe.pipeline.vocab import (SPECIAL_TOKENS, continuation_pieces, count_raw_chars, load_vocab,  # noqa: E402
-                            make_tokenizer, run_stage, special_ids, training_alphabet, vocab_hash)
+from bertpipe.pipeline.stages.config import VocabConfig  # noqa: E402
+from bertpipe.pipeline.framework.stage import StageContext, StageInput, StageInputError  # noqa: E402
+from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS  # noqa: E402
+from bertpipe.pipeline.formats.vocabulary import load_vocab, make_tokenizer, special_ids, vocab_hash  # noqa: E402
+from bertpipe.pipeline.stages.vocab import continuation_pieces, count_raw_chars, run_stage, training_alphabet  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,8 @@ def test_google_vocab_loads_with_google_ids(google_vocab):
     assert special_ids(tokens) == {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
     tok = make_tokenizer(google_vocab, lowercase=True)
     enc = tok.encode("Unaffable Zürich [SEP]", add_special_tokens=False)
-    assert enc.tokens == ["una", "##ffa", "##ble", "zurich", "[SEP]"]  # as Hugging Face's (pipeline/tokenizer.py)
+    # As Hugging Face's (pipeline/formats/tokenizer.py).
+    assert enc.tokens == ["una", "##ffa", "##ble", "zurich", "[SEP]"]
     assert len(vocab_hash(google_vocab)) == 64
 
 
@@ -61,7 +63,8 @@ def test_train_on_real_corpus_has_google_layout(tmp_path, enwiki_sample):
     first = (tmp_path / "vocab" / "vocab.txt").read_bytes()
     code = (
         "import sys; sys.path.insert(0, sys.argv[3]);"
-        "from test_vocab import _ctx; from pipeline.config import VocabConfig; from pipeline.vocab import run_stage;"
+        "from test_vocab import _ctx; from bertpipe.pipeline.stages.config import VocabConfig;"
+        "from bertpipe.pipeline.stages.vocab import run_stage;"
         "from pathlib import Path;"
         "run_stage(_ctx(Path(sys.argv[1]), VocabConfig(vocab_size=3_001), Path(sys.argv[2])))"
     )
@@ -94,7 +97,7 @@ def test_existing_path_is_copied(tmp_path, google_vocab):
 
 
 def test_trainer_reads_a_bounded_seeded_sample_spread_over_the_corpus(tmp_path, enwiki_sample):
-    from bertpipe.pipeline.documents import sample_pieces, text_pieces
+    from bertpipe.pipeline.stages.documents import sample_pieces, text_pieces
 
     docs = crude_docs(enwiki_sample)
     clean = tmp_path / "clean"

@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from bertpipe.pipeline.dump_reader import iter_pages
-from bertpipe.pipeline.wikitext import drop_braces, is_disambiguation, replace_links, strip_with_mwparser, \
+from bertpipe.pipeline.stages.dump_reader import iter_pages
+from bertpipe.pipeline.stages.wikitext import drop_braces, is_disambiguation, replace_links, strip_with_mwparser, \
     wikitext_to_paragraphs
 
 # Markup that must never survive into clean text.

@@ -122,7 +122,7 @@ def test_sigint_releases_the_lock(rundir):
 
 HOLDER = """
 import sys, time
-from bertpipe.pipeline.workdir_lock import acquire
+from bertpipe.pipeline.framework.workdir_lock import acquire
 lock = acquire(sys.argv[1], command="holder --of the test", lease_s=float(sys.argv[2]))
 print("held", flush=True)
 sys.stdin.read()  # until the test closes stdin
@@ -170,7 +170,7 @@ def test_normal_exit_releases_and_removes_the_folders_the_lock_made(rundir):
 
 def test_one_process_cannot_take_a_workdir_twice(tmp_path):
     """In-process callers (the CLI's main() run by tests, an embedding program) get the same rule as processes."""
-    from bertpipe.pipeline.workdir_lock import WorkdirBusy, acquire, hold
+    from bertpipe.pipeline.framework.workdir_lock import WorkdirBusy, acquire, hold
 
     with hold(str(tmp_path / "w"), command="outer"):
         with pytest.raises(WorkdirBusy, match=f"pid {os.getpid()}, .*command: outer"):

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from bertpipe.jobs.cli import main
-from bertpipe.pipeline.stage import read_manifest
+from bertpipe.pipeline.framework.stage import read_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -102,11 +102,11 @@ def test_mlflow_has_parent_and_nested_stage_runs(data_workdir):
 
 
 def test_pairs_run_holds_its_first_instances_decoded(data_workdir):
-    """The pairs stage's MLflow run has its first instances as text (pipeline/pairs.py show_instances), the same
+    """The pairs stage's MLflow run has its first instances as text (pipeline/stages/pairs.py show_instances), the same
     text as its folder's copy: the first rows of its first shard, decoded."""
     import mlflow
 
-    from bertpipe.pipeline.pairs import SAMPLE_FILE
+    from bertpipe.pipeline.stages.pairs import SAMPLE_FILE
 
     client = mlflow.MlflowClient("sqlite:///" + str(data_workdir / "mlflow.db"))
     exp = client.get_experiment_by_name("bertpipe")

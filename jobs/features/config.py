@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bertpipe.pipeline.config import at_least, one_of, path_field, sequence_length
+from bertpipe.pipeline.framework.config_fields import at_least, one_of, path_field, sequence_length
 
 
 @dataclass(frozen=True, kw_only=True)

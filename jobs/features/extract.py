@@ -16,7 +16,7 @@ import torch
 from bertpipe.jobs.tuning.inputs import write_model_files
 from bertpipe.jobs.tuning.loop import pad_rows
 from bertpipe.jobs.tuning.words import build_rows
-from bertpipe.pipeline.tokenizer import load_tokenizer
+from bertpipe.pipeline.formats.tokenizer import load_tokenizer
 
 MODES = ("last_four_concat", "last", "sum_last_four")
 

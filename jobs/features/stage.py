@@ -10,8 +10,8 @@ from bertpipe.jobs.tuning.inputs import check_init, file_checksums, init_uri, re
 from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.features.extract import Extractor
 from bertpipe.jobs.tuning.conll import read_conll
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageContext, StageResult
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import StageContext, StageResult
 
 log = logging.getLogger("bertpipe.features")
 

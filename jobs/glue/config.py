@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from bertpipe.jobs.tuning.recipe import Recipe
-from bertpipe.pipeline.config import path_field
+from bertpipe.pipeline.framework.config_fields import path_field
 
 
 @dataclass(frozen=True, kw_only=True)

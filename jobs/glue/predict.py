@@ -20,7 +20,7 @@ from pathlib import Path
 
 from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.glue.tasks import GLUE_TASKS, TASKS, TaskSpec, get_task, read_task, task_present
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 
 def model_folders(model: str, tasks: list[str]) -> dict[str, str]:
@@ -61,7 +61,7 @@ def score_and_predict_tasks(model: str, glue_dir: str, out: str, tasks: list[str
     from bertpipe.jobs.glue.sample import write_sample
     from bertpipe.jobs.glue.trial import GlueTask
     from bertpipe.jobs.tuning.loop import evaluate, finish
-    from bertpipe.pipeline.tokenizer import load_tokenizer
+    from bertpipe.pipeline.formats.tokenizer import load_tokenizer
 
     folders = model_folders(model, tasks)
     for task, folder in folders.items():

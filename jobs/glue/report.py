@@ -10,7 +10,7 @@ from typing import Any
 
 from bertpipe.jobs.glue.metrics import bert_paper_average, glue_score
 from bertpipe.jobs.glue.tasks import TaskSpec
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 
 SMOKE_LABEL = "smoke sample, NOT GLUE"

@@ -29,9 +29,9 @@ from bertpipe.jobs.glue.trial import GlueTask
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import failures, fanout, kept
 from bertpipe.jobs.tuning.inputs import check_init, init_uri, read_model_files
-from bertpipe.pipeline import parts, storage
-from bertpipe.pipeline.identity import describe_file
-from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.framework import parts, storage
+from bertpipe.pipeline.framework.identity import describe_file
+from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.glue")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from bertpipe.jobs.tuning.recipe import Recipe
-from bertpipe.pipeline.config import one_of, path_field
+from bertpipe.pipeline.framework.config_fields import one_of, path_field
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,8 +20,8 @@ from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.conll import format_predictions, read_conll
 from bertpipe.jobs.tuning.inputs import check_train_eval, file_checksums, init_uri, read_model_files
-from bertpipe.pipeline import parts, storage
-from bertpipe.pipeline.stage import StageContext, StageResult
+from bertpipe.pipeline.framework import parts, storage
+from bertpipe.pipeline.framework.stage import StageContext, StageResult
 
 log = logging.getLogger("bertpipe.ner")
 COUNTS = ("correct", "guessed", "gold")

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, collate
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 BASELINE_SEED = 20_191  # any fixed value: the baseline's masks are the same on every run
 # Bounds that keep the driver's work small on a full Wikipedia run; the commonest token and label of a few

@@ -17,8 +17,8 @@ import tempfile
 import pyarrow.fs as pafs
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, tokenizer_files
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, tokenizer_files
 
 CKPT_TAG = "ckpt"
 STATE_FILE = "position.json"
@@ -161,7 +161,7 @@ def load_dir(engine, d: str, now: dict, local_rank: int) -> dict:
 def data_lowercase(heldout: dict[int, str]) -> bool:
     """The casing the model was trained with: do_lower_case of its shards (the held-out ones, {length: uri}, as
     the pairs stage recorded it); True (uncased) without shards."""
-    from bertpipe.pipeline.shards import read_shard_meta
+    from bertpipe.pipeline.formats.shards import read_shard_meta
 
     return bool(read_shard_meta(next(iter(heldout.values()))).get("do_lower_case", True)) if heldout else True
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from bertpipe.pipeline.config import above, at_least, one_of, path_field, sequence_length, within
+from bertpipe.pipeline.framework.config_fields import above, at_least, one_of, path_field, sequence_length, within
 
 # "from-init": the shape of the checkpoint `pretrain.init` names (its config.json); the config loader picks it when
 # pretrain.init is set and no preset is named (jobs/pretrain/init.py).

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bertpipe.jobs.pretrain.masking import COLUMNS
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 
 def rows_per_worker(total_rows: int, world: int, max_batches: int, batch_size: int) -> int:

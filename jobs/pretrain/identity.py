@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 IDENTITY_FILE = "identity.json"  # in the run folder: the fields the name hashes, for `changes` to compare
 # pretrain fields of the layout (placement, cadence, bookkeeping): never part of a run's identity.

@@ -18,8 +18,8 @@ import json
 import struct
 from typing import Any
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import StageInputError
 
 KEY = "pretrain.init"
 SHAPE_FIELDS = (("hidden_size", "hidden"), ("num_hidden_layers", "layers"), ("num_attention_heads", "heads"),
@@ -36,7 +36,7 @@ def read_config(uri: str) -> dict[str, Any]:
 
 def lowercase(uri: str, config: dict[str, Any]) -> bool:
     """The init's casing: tokenizer_config.json's do_lower_case, else config.json's, else uncased."""
-    from bertpipe.pipeline.tokenizer import TOKENIZER_CONFIG, lowercase_of
+    from bertpipe.pipeline.formats.tokenizer import TOKENIZER_CONFIG, lowercase_of
 
     tok = storage.join(uri, TOKENIZER_CONFIG)
     return lowercase_of(json.loads(storage.read_bytes(tok)) if storage.is_file(tok) else None, config)
@@ -53,7 +53,7 @@ def apply(cfg, given: dict[str, Any]):
     disagrees with the init."""
     from bertpipe.jobs.pretrain.config import FROM_INIT
     from bertpipe.model import BertConfig
-    from bertpipe.pipeline.vocab import load_vocab
+    from bertpipe.pipeline.formats.vocabulary import load_vocab
 
     uri = cfg.pretrain.init
     if not uri:

@@ -33,10 +33,10 @@ from bertpipe.jobs.pretrain.masking import COLUMNS
 from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.paths import export_of
-from bertpipe.pipeline.progress import ENABLED, doing, emit, remote_progress
-from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.paths import export_of
+from bertpipe.pipeline.framework.progress import ENABLED, doing, emit, remote_progress
+from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
 
@@ -84,7 +84,7 @@ def check_resources(cfg: PretrainConfig, cluster: dict[str, float]) -> None:
 
 def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
     """Rows of one shard after checking it is readable, built with our vocabulary and for this length."""
-    from bertpipe.pipeline.shards import check_vocab, read_shard_meta
+    from bertpipe.pipeline.formats.shards import check_vocab, read_shard_meta
 
     if not storage.exists(uri):
         raise StageInputError(f"shard {uri} is missing")
@@ -108,8 +108,8 @@ def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
 
 def preflight(ctx: StageContext) -> None:
     """Before anything runs: explicit shards and vocabulary exist, carry this vocabulary and cover every phase."""
-    from bertpipe.pipeline.shards import list_shards
-    from bertpipe.pipeline.vocab import load_vocab, vocab_file, vocab_hash
+    from bertpipe.pipeline.formats.shards import list_shards
+    from bertpipe.pipeline.formats.vocabulary import load_vocab, vocab_file, vocab_hash
 
     cfg: PretrainConfig = ctx.config["pretrain"]
     vocab, pairs = ctx.input("vocab"), ctx.input("pairs")
@@ -132,7 +132,7 @@ def init_heads(ctx: StageContext) -> list[str]:
     """pretrain.init's weights checked against the model (names, shapes; jobs/pretrain/init.py) and the heads they
     lack, by Hugging Face name."""
     from bertpipe.jobs.pretrain.init import missing_heads
-    from bertpipe.pipeline.vocab import load_vocab, vocab_file
+    from bertpipe.pipeline.formats.vocabulary import load_vocab, vocab_file
 
     cfg: PretrainConfig = ctx.config["pretrain"]
     return missing_heads(cfg.init, ctx.config["model"], len(load_vocab(vocab_file(ctx.input("vocab").uri))))
@@ -208,11 +208,12 @@ def _datasets(pairs_uri: str, spec: WorkerSpec) -> tuple[dict[str, Any], WorkerS
     the workers read them themselves, heldout.py)."""
     import hashlib
 
-    from bertpipe.pipeline.ray_reads import read_parquet
-    from bertpipe.pipeline.shards import list_shards
+    from bertpipe.pipeline.framework.ray_reads import read_parquet
+    from bertpipe.pipeline.formats.shards import list_shards
 
     cfg = spec.pretrain
-    # The vocabulary's identity from the bytes the workers get (pipeline.vocab.vocab_hash, without a second read).
+    # The vocabulary's identity from the bytes the workers get (pipeline.formats.vocabulary.vocab_hash, without a
+    # second read).
     vocab_hash = hashlib.sha256(spec.vocab_bytes).hexdigest()
     datasets, rows, heldouts = {}, {}, {}
     for phase, steps in zip(cfg.phases, cfg.phase_steps()):
@@ -239,7 +240,7 @@ def _describe(fields: dict) -> str:
 
 
 def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str) -> WorkerSpec:
-    from bertpipe.pipeline.vocab import load_vocab, vocab_file
+    from bertpipe.pipeline.formats.vocabulary import load_vocab, vocab_file
 
     vocab_uri = vocab_file(ctx.input("vocab").uri)
     tokens = load_vocab(vocab_uri)  # validated: special tokens present, no duplicates
@@ -329,7 +330,7 @@ def log_summary(run: RunLogger, metrics: dict[str, float]) -> None:
 def register(run: RunLogger, export_uri: str, registered_name: str, version_description: str = "",
              version_tags: dict[str, str] | None = None) -> str:
     """The exported model as an MLflow model of the stage's run (its safetensors, config and vocabulary, loaded by
-    code: jobs/pretrain/pyfunc_model.py), registered under `registered_name` with MODEL_DESCRIPTION, the version's
+    code: jobs/pyfunc_model.py), registered under `registered_name` with MODEL_DESCRIPTION, the version's
     description and tags (model_card), and the alias MODEL_ALIAS on the new version."""
     if not (run.active and registered_name):
         return ""
@@ -349,7 +350,7 @@ def final_baselines(ctx: StageContext, cfg: PretrainConfig, tokens: list[str]) -
     from bertpipe.jobs.pretrain.baselines import baselines
     from bertpipe.jobs.pretrain.curves import warm_plotting
     from bertpipe.jobs.pretrain.masking import MaskingSpec
-    from bertpipe.pipeline.shards import list_shards
+    from bertpipe.pipeline.formats.shards import list_shards
 
     final_phase = cfg.phases[cfg.final_phase()]
     train, heldout = list_shards(ctx.input("pairs").uri, final_phase.max_seq_length)

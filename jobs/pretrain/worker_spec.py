@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig
-from bertpipe.pipeline.progress import Reporter
+from bertpipe.pipeline.framework.progress import Reporter
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from bertpipe.jobs.tuning.recipe import Recipe
 from bertpipe.jobs.squad.data import article_range
-from bertpipe.pipeline.config import at_least, one_of, path_field
+from bertpipe.pipeline.framework.config_fields import at_least, one_of, path_field
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,8 +21,8 @@ from bertpipe.jobs.squad.trial import SquadData, SquadTask
 from bertpipe.jobs.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.inputs import check_train_eval, file_checksums, init_uri, read_model_files
-from bertpipe.pipeline import parts, storage
-from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.framework import parts, storage
+from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.squad")
 SHOWN = ("exact_match", "f1")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import StageInputError
 
 DOCSTART = "-DOCSTART-"
 

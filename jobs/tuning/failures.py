@@ -3,13 +3,13 @@ committed, and the one-line message names every failed task or trial with its ca
 line of a stage's error), and says what was kept for the rerun.
 
 A sweep that silently drops a task reports a GLUE score, or a best learning rate, over a grid the user did not
-ask for; so any failure fails the stage, and the finished trials are kept (pipeline/parts.py) for the rerun.
+ask for; so any failure fails the stage, and the finished trials are kept (pipeline/framework/parts.py) for the rerun.
 """
 from __future__ import annotations
 
 from bertpipe.jobs.causes import first_line, strip_ansi
-from bertpipe.pipeline import parts, storage
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework import parts, storage
+from bertpipe.pipeline.framework.stage import StageInputError
 
 MAX_CAUSE = 300  # characters per failure: the whole message stays one readable line
 

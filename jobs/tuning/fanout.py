@@ -2,13 +2,13 @@
 with `cpus_per_trial` CPUs (and `gpus_per_trial` GPUs), at most `max_concurrent_trials` at once, each an MLflow
 child run that logs its own epochs. GLUE has a group of trials per task; SQuAD and NER have one group.
 
-Every requested trial must succeed: the best learning rate of a grid with holes is not the one asked for. A trial
-that finishes is committed at once under `_trials/` (pipeline/parts.py) with its fine-tuned model, so a failed or
+Every requested trial must succeed: the best learning rate of a grid with holes is not the one asked for. A trial that
+finishes is committed at once under `_trials/` (pipeline/framework/parts.py) with its fine-tuned model, so a failed or
 interrupted run keeps it and the rerun with the same config runs only the rest (jobs/tuning/kept.py has the key).
 Whatever a failed trial half wrote is deleted. The stage then keeps the best trial's model of each group.
 
 While trials run, one progress line on the driver counts their optimizer steps (each trial reports through a
-`pipeline.progress.Reporter`), with the running trial, its epoch and loss, and the best score so far.
+`pipeline.framework.progress.Reporter`), with the running trial, its epoch and loss, and the best score so far.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from bertpipe.jobs.tuning import failures, kept
 from bertpipe.jobs.tuning.inputs import write_model_files
 from bertpipe.jobs.tuning.loop import TrialResult, TrialTask, run_trial
 from bertpipe.jobs.tuning.progress import TrialsProgress
-from bertpipe.pipeline import parts, storage
-from bertpipe.pipeline.stage import StageContext
+from bertpipe.pipeline.framework import parts, storage
+from bertpipe.pipeline.framework.stage import StageContext
 
 log = logging.getLogger("bertpipe.tuning")
 TRIAL_KIND = {"glue": "glue_trial", "squad": "squad_trial", "ner": "ner_trial"}  # the runs' bertpipe.kind tag
@@ -37,7 +37,7 @@ class Trial:
     sweep_seed: int  # the seed value of the sweep
     seed: int  # the trial's RNG seed: the sweep seed mixed with the workflow seed, the stage and the task
     run: RunLogger  # its MLflow run (inactive for a kept trial: it does not run again)
-    part: str  # its folder for pipeline/parts.py, relative to the stage's
+    part: str  # its folder for pipeline/framework/parts.py, relative to the stage's
     cache_key: str  # the key its kept result is valid for (jobs/tuning/kept.py)
     save_uri: str  # where it writes its fine-tuned model (inside its part)
     result: TrialResult | BaseException | None = None  # kept from a failed run, or what this run got

@@ -1,5 +1,5 @@
 """What a fine-tuning stage starts from, checked before anything runs and read once: the BERT folder (its
-files shipped to the trials through Ray's object store, its tokenizer read by pipeline/tokenizer.py
+files shipped to the trials through Ray's object store, its tokenizer read by pipeline/formats/tokenizer.py
 `load_tokenizer`), and the task's data files."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import json
 import os
 from typing import Any
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.identity import describe_file
-from bertpipe.pipeline.stage import StageContext, StageInputError
-from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.identity import describe_file
+from bertpipe.pipeline.framework.stage import StageContext, StageInputError
+from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG
 
 MODEL_FILES = ("config.json", "vocab.txt")
-# Shipped when the folder has them: the tokenizer's casing (pipeline/tokenizer.py `folder_lowercase`).
+# Shipped when the folder has them: the tokenizer's casing (pipeline/formats/tokenizer.py `folder_lowercase`).
 OPTIONAL_FILES = (TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 BERT_CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")

@@ -1,4 +1,4 @@
-"""Keys and (de)serialisation of the trials a fan-out stage keeps when the run fails (pipeline/parts.py).
+"""Keys and (de)serialisation of the trials a fan-out stage keeps when the run fails (pipeline/framework/parts.py).
 
 A kept trial is reused only under the same key: a hash of everything its result depends on (the recipe without
 the fields that only say which trials exist or how many run at once, the workflow seed, the task, the learning
@@ -12,8 +12,8 @@ import hashlib
 from typing import Any, TypeVar
 
 from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.pipeline import parts
-from bertpipe.pipeline.stage import SCHEMA_VERSION
+from bertpipe.pipeline.framework import parts
+from bertpipe.pipeline.framework.stage import SCHEMA_VERSION
 
 T = TypeVar("T")
 # Recipe fields that choose the grid, where the data or model come from (their checksums are in the key), or how

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from bertpipe.model.training import dropout_overrides, param_groups, round_up, warmup_decay
-from bertpipe.pipeline.tokenizer import folder_lowercase, load_tokenizer, tokenizer_files
+from bertpipe.pipeline.formats.tokenizer import folder_lowercase, load_tokenizer, tokenizer_files
 
 REPORT_S = 2.0  # at most one progress report (and one host read of the loss) per trial in this many seconds
 

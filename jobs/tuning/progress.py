@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bertpipe.pipeline import progress as shown_progress
-from bertpipe.pipeline.progress import POLL_S, Progress, Reporter
+from bertpipe.pipeline.framework import progress as shown_progress
+from bertpipe.pipeline.framework.progress import POLL_S, Progress, Reporter
 
 
 class TrialsProgress:

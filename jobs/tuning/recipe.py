@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from bertpipe.pipeline.config import at_least, one_of, path_field, sequence_length, within
+from bertpipe.pipeline.framework.config_fields import at_least, one_of, path_field, sequence_length, within
 
 SELECT = ("last", "best")
 PRECISIONS = ("auto", "fp32", "bf16")

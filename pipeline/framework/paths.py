@@ -7,7 +7,7 @@ import os
 import posixpath
 from dataclasses import dataclass
 
-from bertpipe.pipeline import storage
+from bertpipe.pipeline.framework import storage
 
 
 def export_of(pretrain_uri: str) -> str:
@@ -56,5 +56,6 @@ class WorkdirPaths:
 
     @property
     def lock(self) -> str:
-        """Who is writing this workdir (pipeline/workdir_lock.py); hidden, so no listing of outputs sees it."""
+        """Who is writing this workdir (pipeline/framework/workdir_lock.py); hidden, so no listing of outputs sees
+        it."""
         return self._join(".bertpipe.lock")

@@ -22,8 +22,8 @@ import posixpath
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError, manifest_state
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import StageInputError, manifest_state
 
 SHARD_SCHEMA_VERSION = 1
 META_KEY = b"bertpipe"

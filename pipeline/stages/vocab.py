@@ -2,7 +2,7 @@
 
 Trained vocabularies reproduce the layout of Google's uncased BERT vocabulary: [PAD]=0, [unused0..98]=1..99,
 [UNK]=100, [CLS]=101, [SEP]=102, [MASK]=103, then the learned pieces. Other stages still look special ids up by
-name (`special_ids`), so any vocab.txt that contains the five special tokens works.
+name (pipeline/formats/vocabulary.py `special_ids`), so any vocab.txt that contains the five special tokens works.
 
 The trainer reads a bounded sample of the corpus (`vocab.max_sample_bytes`, whole row groups drawn at random with
 the seed across every file), read once and held in memory for the two uses the algorithm needs: the character
@@ -21,75 +21,17 @@ import numpy as np
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.config import VocabConfig
-from bertpipe.pipeline.documents import TextPiece, document_files, iter_piece_texts, sample_pieces, text_pieces
-from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
-from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS, bert_normalizer, bert_tokenizer
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.stages.config import VocabConfig
+from bertpipe.pipeline.stages.documents import TextPiece, document_files, iter_piece_texts, sample_pieces, text_pieces
+from bertpipe.pipeline.framework.stage import StageContext, StageResult
+from bertpipe.pipeline.formats.tokenizer import bert_normalizer, bert_tokenizer
+from bertpipe.pipeline.formats.vocabulary import TOKENIZER_FILE, VOCAB_FILE, load_vocab, read_vocab_bytes, vocab_file
 
 log = logging.getLogger(__name__)
 
 # Google's order: [PAD], 99 unused slots, then [UNK] [CLS] [SEP] [MASK] at 100..103.
 GOOGLE_SPECIAL_LAYOUT = ("[PAD]", *[f"[unused{i}]" for i in range(99)], "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-VOCAB_FILE = "vocab.txt"
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def vocab_file(uri: str) -> str:
-    """A vocab.txt URI from either the file itself or the vocab stage's output folder."""
-    return uri if uri.endswith(".txt") else storage.join(uri, VOCAB_FILE)
-
-
-def _read_bytes(uri: str) -> bytes:
-    fs, path = storage.resolve(uri)
-    try:
-        with fs.open_input_stream(path) as f:
-            return f.read()
-    except (FileNotFoundError, OSError) as exc:
-        raise StageInputError(f"cannot read vocabulary {uri}: {exc}") from exc
-
-
-def vocab_hash(path_or_uri: str) -> str:
-    """sha256 of the vocab.txt bytes: the identity shards and checkpoints are checked against."""
-    return hashlib.sha256(_read_bytes(vocab_file(path_or_uri))).hexdigest()
-
-
-def load_vocab(path: str) -> list[str]:
-    """The tokens of a vocab.txt (one per line, id = line number), checked for the special tokens and duplicates."""
-    uri = vocab_file(path)
-    try:
-        text = _read_bytes(uri).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise StageInputError(f"vocabulary {uri} is not UTF-8 text: {exc}") from exc
-    tokens = text.split("\n")
-    if tokens and tokens[-1] == "":
-        tokens.pop()  # trailing newline
-    tokens = [t.rstrip("\r") for t in tokens]
-    if not tokens:
-        raise StageInputError(f"vocabulary {uri} is empty")
-    present = set(tokens)
-    missing = [t for t in SPECIAL_TOKENS if t not in present]
-    if missing:
-        raise StageInputError(f"vocabulary {uri} lacks the special tokens {missing} "
-                              f"(needs all of {list(SPECIAL_TOKENS)})")
-    if len(present) != len(tokens):
-        seen, dupes = set(), []
-        for t in tokens:
-            if t in seen:
-                dupes.append(t)
-            seen.add(t)
-        raise StageInputError(f"vocabulary {uri} has duplicate tokens, e.g. {dupes[:5]}")
-    return tokens
-
-
-def special_ids(tokens: list[str]) -> dict[str, int]:
-    index = {t: i for i, t in enumerate(tokens)}
-    return {t: index[t] for t in SPECIAL_TOKENS}
-
-
-def make_tokenizer(vocab_path: str, lowercase: bool) -> Tokenizer:
-    """The project's BERT tokenizer (pipeline/tokenizer.py) over a (validated) vocab.txt, local or a URI."""
-    return bert_tokenizer(load_vocab(vocab_path), lowercase)
 
 
 # ------------------------------------------------------------------------------------- deterministic training
@@ -217,7 +159,7 @@ def describe_raw_inputs(cfg: VocabConfig) -> list[dict]:
     """An existing vocab.txt enters the fingerprint by size and checksum (a replaced file makes the stage stale)."""
     if not cfg.path:
         return []
-    data = _read_bytes(vocab_file(cfg.path))
+    data = read_vocab_bytes(vocab_file(cfg.path))
     return [{"uri": cfg.path, "size": len(data), "checksum": hashlib.sha256(data).hexdigest()}]
 
 
@@ -235,7 +177,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     out_vocab = storage.join(ctx.output_uri, VOCAB_FILE)
     if cfg.path:
         tokens = load_vocab(cfg.path)
-        data = _read_bytes(vocab_file(cfg.path))
+        data = read_vocab_bytes(vocab_file(cfg.path))
         source = "existing"
         raw_inputs = describe_raw_inputs(cfg)
         log.info("vocab: using existing %s (%d tokens)", cfg.path, len(tokens))

@@ -18,7 +18,7 @@ the run (only a committed run removes it), and any file that matches its pattern
 checked the folder held nothing foreign, so the next run of the stage deletes it and redoes the work. A file that
 matches none of them stops the run as before: a user's notes are never deleted.
 
-Trials that a failed run finished and committed under `_trials/` (pipeline/parts.py) are neither deleted nor
+Trials that a failed run finished and committed under `_trials/` (pipeline/framework/parts.py) are neither deleted nor
 foreign: the next run of the same config reuses them (`--force` drops them).
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ import time
 import uuid
 from typing import Any
 
-from bertpipe.pipeline import parts, storage
-from bertpipe.pipeline.stage import BOOKKEEPING, MANIFEST_NAME, RUN_NAME, StageInputError, safe_relative
+from bertpipe.pipeline.framework import parts, storage
+from bertpipe.pipeline.framework.stage import BOOKKEEPING, MANIFEST_NAME, RUN_NAME, StageInputError, safe_relative
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _announced(uri: str) -> tuple[str, ...]:
 
 def _survey(uri: str) -> tuple[list[str], list[str]]:
     """(files a rerun may delete, files it must not touch) in the folder, each sorted. Trials a failed run kept
-    (pipeline/parts.py) are in neither: the stage reuses or drops them itself."""
+    (pipeline/framework/parts.py) are in neither: the stage reuses or drops them itself."""
     kept = parts.kept_files(uri)
     owned = (_listed_paths(uri, MANIFEST_NAME, "files", "outputs") | _listed_paths(uri, RUN_NAME, "files")
              | set(BOOKKEEPING))

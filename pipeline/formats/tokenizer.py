@@ -57,7 +57,7 @@ def bert_tokenizer(vocab: list[str] | dict[str, int], lowercase: bool) -> Tokeni
 
 def read_vocab_file(path: str | Path) -> dict[str, int]:
     """{token: line number} of a local vocab.txt, read as transformers reads it (a repeated token keeps its last
-    line). The pipeline's own vocabularies are checked further by pipeline/vocab.py `load_vocab`."""
+    line). The pipeline's own vocabularies are checked further by pipeline/formats/vocabulary.py `load_vocab`."""
     with open(path, encoding="utf-8") as f:
         return {token.rstrip("\n"): i for i, token in enumerate(f.readlines())}
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import StageInputError
 
 log = logging.getLogger(__name__)
 

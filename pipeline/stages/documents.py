@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError, manifest_state
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import StageInputError, manifest_state
 
 TEXT_SUFFIXES = (".txt",)
 
@@ -162,7 +162,7 @@ def read_documents(files: list[str]):
     """A Ray dataset of (id int64, text string) rows over `files`, in file order."""
     import ray.data
 
-    from bertpipe.pipeline.ray_reads import read_parquet
+    from bertpipe.pipeline.framework.ray_reads import read_parquet
 
     if all(f.endswith(".parquet") for f in files):
         return read_parquet(files, ["id", "text"])

@@ -29,15 +29,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.pipeline import shards, storage
-from bertpipe.pipeline.config import PairsConfig, VocabConfig
-from bertpipe.pipeline.instances import PairStats, create_spans, derive_seed, gather_instances
-from bertpipe.pipeline.sentences import split_sentences
-from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
-from bertpipe.pipeline.documents import document_files, read_documents
-from bertpipe.pipeline.progress import Reporter, remote_progress
-from bertpipe.pipeline.tokenizer import SPECIAL_TOKENS
-from bertpipe.pipeline.vocab import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
+from bertpipe.pipeline.formats import shards
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.stages.config import PairsConfig, VocabConfig
+from bertpipe.pipeline.stages.instances import PairStats, create_spans, derive_seed, gather_instances
+from bertpipe.pipeline.stages.sentences import split_sentences
+from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.stages.documents import document_files, read_documents
+from bertpipe.pipeline.framework.progress import Reporter, remote_progress
+from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS
+from bertpipe.pipeline.formats.vocabulary import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def cached_tokenizers(vocab_uri: str, lowercase: bool):
 
 
 # The special tokens as the tokenizer matches them: in the raw text, exact case, before anything else
-# (pipeline/tokenizer.py). No other word the fast path makes contains "[", so a word equal to one is one.
+# (pipeline/formats/tokenizer.py). No other word the fast path makes contains "[", so a word equal to one is one.
 _SPECIAL = re.compile("(" + "|".join(map(re.escape, SPECIAL_TOKENS)) + ")")
 _SPECIAL_SET = frozenset(SPECIAL_TOKENS)
 

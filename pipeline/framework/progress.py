@@ -59,7 +59,7 @@ def printed() -> None:
 
 
 def emit(text: str) -> None:
-    from bertpipe.pipeline.redact import mask
+    from bertpipe.pipeline.framework.redact import mask
 
     if _muted[0]:
         return

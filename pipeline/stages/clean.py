@@ -21,13 +21,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.config import CleanConfig
-from bertpipe.pipeline.identity import describe_file
-from bertpipe.pipeline.progress import Reporter, remote_progress
-from bertpipe.pipeline.dump_reader import ReadUnit, check_dump_head, expand_inputs, iter_pages, plan_units
-from bertpipe.pipeline.stage import StageContext, StageInputError, StageResult
-from bertpipe.pipeline.wikitext import is_disambiguation, wikitext_to_paragraphs
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.stages.config import CleanConfig
+from bertpipe.pipeline.framework.identity import describe_file
+from bertpipe.pipeline.framework.progress import Reporter, remote_progress
+from bertpipe.pipeline.stages.dump_reader import ReadUnit, check_dump_head, expand_inputs, iter_pages, plan_units
+from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
+from bertpipe.pipeline.stages.wikitext import is_disambiguation, wikitext_to_paragraphs
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Iterator
 
 import smart_open
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import StageInputError
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import StageInputError
 
 CHUNK_BYTES = 1 << 20
 _INDEX_SUFFIXES = ("-index.txt.bz2", "-index.txt")

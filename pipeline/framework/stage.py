@@ -1,9 +1,8 @@
 """The stage contract: what a stage gets, what it returns, and the manifest that commits its output.
 
 A stage writes its data files first and `_MANIFEST.json` last: the manifest is the commit point, and a folder
-without one is never read as input. The fingerprint hashes the stage's config, the seed, the schema version,
-the identity of raw inputs (size + checksum) and the output ids of the upstream manifests it read — so a changed
-config field, a different dump, or a rerun of an upstream stage makes this stage and everything after it stale.
+without one is never read as input. The manifest records the stage's fingerprint, which the workflow computes
+and compares before it runs the stage (jobs/workflow.py `fingerprint` says what it covers).
 """
 from __future__ import annotations
 
@@ -16,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.paths import WorkdirPaths
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.paths import WorkdirPaths
 
 MANIFEST_NAME = "_MANIFEST.json"
 CONFIG_NAME = "_CONFIG.json"  # the stage's resolved config, written just before the manifest
-RUN_NAME = "_RUN.json"  # the run writing the folder and what it may delete (pipeline/outputs.py)
+RUN_NAME = "_RUN.json"  # the run writing the folder and what it may delete (pipeline/framework/outputs.py)
 # Files the workflow writes at the top of a stage folder besides the stage's own outputs.
 BOOKKEEPING = (MANIFEST_NAME, CONFIG_NAME, RUN_NAME)
 SCHEMA_VERSION = 1

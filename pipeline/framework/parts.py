@@ -6,7 +6,7 @@ its commit point, holding the key the result is valid for (a hash of everything 
 seed, the data and model checksums), the part's files with their sizes, and the trial's result as JSON (never a
 pickle: the folder may be shared). A part without a valid marker is half-written and never read.
 
-Who deletes what: the workflow's cleanup (pipeline/outputs.py) neither deletes committed parts nor calls them
+Who deletes what: the workflow's cleanup (pipeline/framework/outputs.py) neither deletes committed parts nor calls them
 foreign files, so they outlive the failed run. The stage itself drops the parts it no longer asks for (another
 config) and deletes `_trials/` once its committed outputs are built from them: a committed stage folder never holds
 one, and a folder with parts has no manifest, so `status` never calls it fresh. Anything under `_trials/` that no
@@ -20,8 +20,8 @@ import posixpath
 import time
 from typing import Any
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.stage import safe_relative
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.stage import safe_relative
 
 PARTS_DIR = "_trials"
 MARKER = "_DONE.json"

@@ -36,9 +36,9 @@ import uuid
 from typing import Callable, Iterator
 from urllib.parse import parse_qs, urlsplit
 
-from bertpipe.pipeline import storage
-from bertpipe.pipeline.paths import WorkdirPaths
-from bertpipe.pipeline.redact import mask
+from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.paths import WorkdirPaths
+from bertpipe.pipeline.framework.redact import mask
 
 DEFAULT_LEASE_S = 120.0  # an object-store lock not renewed for this long belongs to a run that is gone
 log = logging.getLogger(__name__)
