@@ -256,7 +256,7 @@ def test_status_says_what_pretraining_resumed_or_started_from(tmp_path, capsys):
     """`bertpipe status` reads the start record the stage made its console line and MLflow tags of (stage.py
     start_record): from the run folder (a run in progress, or one that failed), or from the committed manifest."""
     from bertpipe.jobs import cli, workflow
-    from bertpipe.pipeline.paths import WorkdirPaths
+    from bertpipe.pipeline.framework.paths import WorkdirPaths
 
     workdir = tmp_path / "w"
     args = cli.build_parser().parse_args(["status", "--config", "tiny", "--workdir", str(workdir)])
