@@ -10,10 +10,15 @@ baseline and held-out NSP accuracy every --eval-every steps.
 
 Compare recipes at equal sequences seen (steps x batch), not equal steps. `--mlm-weight 0` trains NSP alone (is it
 learnable here at all?); `--save F` then `--init F --seq 512 ...` runs a second phase on the first one's weights.
+`--hf-init DIR` starts from a Hugging Face BERT folder (its shape, its weights through the pretrain stage's loader,
+jobs/pretrain/init.py; heads it lacks stay initialised); add `--shape-only` for the same shape from random weights,
+the arm to compare it with (issue 33: continued pre-training from MiniLM against random initialisation; the shards
+then come from `bertpipe run --only clean,vocab,pairs --set pretrain.init=DIR --set model.preset=from-init`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -86,6 +91,8 @@ def main() -> None:
     ap.add_argument("--nsp-weight", type=float, default=1.0)
     ap.add_argument("--init", type=Path, help="start from a state dict --save wrote (a second phase)")
     ap.add_argument("--save", type=Path, help="write the model's state dict here at the end")
+    ap.add_argument("--hf-init", type=Path, help="a Hugging Face BERT folder: its shape and weights")
+    ap.add_argument("--shape-only", action="store_true", help="with --hf-init: its shape, random weights")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -100,7 +107,14 @@ def main() -> None:
     config = BertConfig(vocab_size=len(tokens), hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if args.hf_init:
+        config = BertConfig.from_hf_dict(json.loads((args.hf_init / "config.json").read_text()))
+        config = dataclasses.replace(config, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = BertForPreTraining(config)
+    if args.hf_init and not args.shape_only:
+        from bertpipe.jobs.pretrain.init import load_into
+
+        print("initialised (not in the checkpoint):", ", ".join(sorted(load_into(model, str(args.hf_init)))))
     if args.init:
         model.load_state_dict(torch.load(args.init))
     opt = torch.optim.AdamW(param_groups(model, 0.01), lr=args.lr, eps=1e-6)
