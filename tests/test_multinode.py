@@ -160,7 +160,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
     import mlflow
 
     with MultiNodeRay(head_cpus=1, node_cpus=(1, 1, 1)) as rig:
-        run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}", "--set", "pretrain.max_steps=300",
+        run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}", "--set", "pretrain.max_steps=120",
                                     "--set", "pretrain.checkpoint_every_steps=10", "--set", "pretrain.max_failures=3",
                                     "--set", "pretrain.log_every_steps=2", mlflow=True), tmp_path)
         wait_until(lambda: list((tmp_path / "w" / "ray_results").rglob("checkpoint_*/*")), "kill point",
@@ -182,7 +182,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
     lost_at, resumed = int(m.group(2)), int(m.group(3))
     assert resumed % 10 == 0 and 10 <= resumed <= lost_at
     metrics = json.loads((tmp_path / "w" / "pretrain" / "metrics.json").read_text())
-    assert metrics["step"] == 300 and metrics["resumed_from_step"] == resumed  # what the workers really resumed
+    assert metrics["step"] == 120 and metrics["resumed_from_step"] == resumed  # what the workers really resumed
     for noise in ("[state-dump]", "lagging heartbeats", "raylet", "Traceback", "RayTrainWorker"):
         assert noise not in console, console
     # MLflow: the stage's run records the restart (a tag with the line, the restarts series)
@@ -200,7 +200,7 @@ def test_a_lost_worker_node_is_told_in_one_line_and_training_resumes_on_the_node
             else None
         if "; restarted from" in line:
             told_at = at
-        step = re.search(r"bertpipe.progress: pretrain: (\d+)/300", line)
+        step = re.search(r"bertpipe.progress: pretrain: (\d+)/120", line)
         if told_at and step and int(step.group(1)) > resumed:
             first = (at, int(step.group(1)))
             break

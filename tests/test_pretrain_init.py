@@ -136,11 +136,11 @@ def test_the_init_files_are_in_the_fingerprint(minilm, tmp_path):
 
 # --------------------------------------------------------------------------- MiniLM against random initialisation
 
-STEPS = 20
-# Measured on a contended 2-core machine (Ray Train + DeepSpeed, 1 CPU worker, batch 16, seq 64): MiniLM's fresh MLM
-# head (it has none) leaves the unigram answer no sooner than a random model: held-out MLM accuracy 0.053 from both
-# after 60 steps at lr 1e-3, 0.054-0.059 after 10-80 steps at 1e-4 to 5e-4 in plain torch. What the init gives at
-# once is a lower MLM loss, asserted below; the accuracy gap needs more steps than a test can take (issue 33 item 3).
+STEPS = 120
+# MiniLM has no MLM head: its transform starts initialised (the projection is tied to MiniLM's token embeddings) and
+# takes about 50 steps to learn; after that the held-out MLM accuracy from MiniLM pulls away from the same steps
+# from random weights, which stay at the unigram answer (benchmarks/README.md, "Continued pre-training from MiniLM":
+# 0.139 against 0.051 after 100 steps, 0.231 against 0.070 after 400).
 
 
 def readme_command() -> list[str]:
@@ -154,12 +154,12 @@ def readme_command() -> list[str]:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_pretraining_from_minilm_has_a_lower_mlm_loss_than_from_random_weights(minilm, tmp_path, ray_local,
+def test_pretraining_from_minilm_is_far_more_accurate_than_from_random_weights(minilm, tmp_path, ray_local,
                                                                              enwiki_sample, caplog):
     """The README's command (MiniLM for `minilm/`), made short: clean → vocab → pairs on the enwiki sample with
     MiniLM's vocabulary, then STEPS steps of pre-training from MiniLM and, in the same workdir, from random weights
-    of MiniLM's shape (every head present; another init makes pretrain stale): held-out MLM loss from MiniLM is
-    clearly lower (see STEPS for the accuracies)."""
+    of MiniLM's shape (every head present; another init makes pretrain stale): held-out MLM accuracy from MiniLM is
+    far above both the random start's and the most-frequent-token baseline (see STEPS), and its loss is lower."""
     random_init = bert_folder(tmp_path / "random", minilm, BertConfig.from_hf_dict(
         json.loads((minilm / "config.json").read_text())), seed=3)
     sets = [s.replace("minilm/", str(minilm)) for s in readme_command()]
@@ -192,4 +192,6 @@ def test_pretraining_from_minilm_has_a_lower_mlm_loss_than_from_random_weights(m
           f"(most-frequent-token baseline {from_minilm['baseline_mlm_accuracy']:.4f}); MLM loss "
           f"{from_minilm['eval_mlm_loss']:.3f} against {from_random['eval_mlm_loss']:.3f}")
     assert from_minilm["eval_mlm_loss"] < from_random["eval_mlm_loss"] - 0.2
+    assert from_minilm["eval_mlm_accuracy"] > 1.5 * max(from_random["eval_mlm_accuracy"],
+                                                        from_minilm["baseline_mlm_accuracy"])
     shutil.rmtree(tmp_path / "w" / "ray_results", ignore_errors=True)
