@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import engine_helpers as eh
-from bertpipe.jobs.pretrain import loop, worker
+from bertpipe.jobs.pretrain import loop, resume, worker
 from bertpipe.jobs.pretrain.engine import compile_enabled
 from bertpipe.jobs.pretrain.masking import batch_rng, collate
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning
@@ -76,7 +76,7 @@ def train(w, cfg, batches, steps=None):
     w.clock.start_phase(0)
     w.engine.set_train_micro_batch_size(phase.micro_batch_size)
     w.engine.set_train_batch_size(phase.global_batch_size)
-    return loop.run_epoch(w, worker.Position(), steps or cfg.max_steps, {}, batches)
+    return loop.run_epoch(w, resume.Position(), steps or cfg.max_steps, {}, batches)
 
 
 @pytest.mark.parametrize("precision, zero, optimizer", [("bf16", 1, "adamw"), ("bf16", 2, "lamb"),

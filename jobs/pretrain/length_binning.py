@@ -27,7 +27,7 @@ def row_lengths(batch: dict[str, Any]) -> np.ndarray:
     return np.array([len(r) for r in batch["input_ids"]], dtype=np.int64)
 
 
-def _as_rows(column: Any) -> np.ndarray:
+def as_rows(column: Any) -> np.ndarray:
     """A column as a 1-D array with one entry per row (a 2-D list column becomes an object array of rows), so
     columns of different batches concatenate whatever shape Ray gave each."""
     a = np.asarray(column)
@@ -38,8 +38,8 @@ def _as_rows(column: Any) -> np.ndarray:
     return out
 
 
-def _concat(batches: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([_as_rows(b[k]) for b in batches]) for k in batches[0]}
+def concat_rows(batches: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([as_rows(b[k]) for b in batches]) for k in batches[0]}
 
 
 def length_binned(batches: Iterable[dict[str, Any]], window: int,
@@ -63,7 +63,7 @@ def length_binned(batches: Iterable[dict[str, Any]], window: int,
 
 def _regroup(batches: list[dict[str, Any]], rng: np.random.Generator) -> Iterator[dict[str, Any]]:
     sizes = [len(row_lengths(b)) for b in batches]
-    merged = _concat(batches)
+    merged = concat_rows(batches)
     order = np.argsort(row_lengths(merged), kind="stable")  # shortest first
     bounds = np.cumsum([0, *sorted(sizes)])
     groups = [order[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]

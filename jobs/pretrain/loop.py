@@ -27,7 +27,8 @@ from bertpipe.jobs.pretrain.lamb_layout import mapped_layouts
 from bertpipe.jobs.pretrain.masking import batch_rng, collate
 from bertpipe.jobs.pretrain.meter import THROUGHPUT, NonFiniteError
 from bertpipe.jobs.pretrain.streams import micro_batches, open_streams
-from bertpipe.jobs.pretrain.worker import Position, Worker, forward, masking_spec, seed_of, to_device
+from bertpipe.jobs.pretrain.resume import Position
+from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, seed_of, to_device
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.tracking import RunLogger, metric_names
 from bertpipe.pipeline.framework import storage

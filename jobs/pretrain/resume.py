@@ -30,9 +30,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-import numpy as np
-
 from bertpipe.jobs.pretrain.config import PretrainConfig
+from bertpipe.jobs.pretrain.length_binning import as_rows, concat_rows
 
 
 @dataclass
@@ -117,8 +116,6 @@ def _workers(n: int) -> str:
 def recut(batches: Iterable[dict[str, Any]], skip: int, micro: int) -> Iterator[dict[str, Any]]:
     """The rows of `batches` after the first `skip`, in their order, in micro-batches of `micro` rows; the last
     rows short of a micro-batch are left out (as an epoch's last rows are: drop_last)."""
-    from bertpipe.jobs.pretrain.length_binning import _concat
-
     pending: list[dict[str, Any]] = []
     held = 0
     for batch in batches:
@@ -127,20 +124,15 @@ def recut(batches: Iterable[dict[str, Any]], skip: int, micro: int) -> Iterator[
             skip -= n
             continue
         if skip:
-            batch = {k: _rows(v)[skip:] for k, v in batch.items()}
+            batch = {k: as_rows(v)[skip:] for k, v in batch.items()}
             n -= skip
             skip = 0
         pending.append(batch)
         held += n
         while held >= micro:
-            merged = _concat(pending)
+            merged = concat_rows(pending)
             yield {k: v[:micro] for k, v in merged.items()}
             rest = {k: v[micro:] for k, v in merged.items()}
             held -= micro
             pending = [rest] if held else []
 
-
-def _rows(column: Any) -> np.ndarray:
-    from bertpipe.jobs.pretrain.length_binning import _as_rows
-
-    return _as_rows(column)

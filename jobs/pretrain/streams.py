@@ -16,7 +16,8 @@ from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.eta import EVAL_BATCH
 from bertpipe.jobs.pretrain.heldout import read_heldout
 from bertpipe.jobs.pretrain.length_binning import length_binned
-from bertpipe.jobs.pretrain.worker import Position, Worker, seed_of
+from bertpipe.jobs.pretrain.resume import Position
+from bertpipe.jobs.pretrain.worker import Worker, seed_of
 
 log = logging.getLogger("bertpipe.pretrain")
 

@@ -12,7 +12,6 @@ import torch
 from bertpipe.jobs.pretrain.clock import StepClock
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.masking import MaskingSpec
-from bertpipe.jobs.pretrain.resume import Position  # noqa: F401 - where a worker is, with the worker
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.tracking import RunLogger
 
