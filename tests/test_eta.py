@@ -168,7 +168,7 @@ def test_the_step_clock_leaves_set_aside_time_out_of_the_step_and_prices_it(step
     assert clock.meter.paused == pytest.approx(4.0)  # the evaluation and the checkpoint leave the throughput
     assert [count for count, _ in reports] == list(range(1, 11))
     count, fields = reports[-1]
-    assert fields["eta_s"] == pytest.approx(eta.seconds_left(clock.schedule(), clock.measured, 10, 0))
+    assert fields["eta_s"] == pytest.approx(eta.seconds_left(clock.schedule, clock.measured, 10, 0))
     assert fields["eta_s"] > 30 * 0.2 + 3.0 + 1.0  # phase 1's 26 steps left, its evaluation and checkpoint at 20
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -94,12 +95,14 @@ class StepClock:
             self.measured.step(phase, max(now - self._last_step - self._aside, 0.0))
         self._last_step, self._aside = now, 0.0
         if self.rank == 0:
-            left = eta.seconds_left(self.schedule(), self.measured, step, phase)
+            left = eta.seconds_left(self.schedule, self.measured, step, phase)
             # The last window's figures: reading this step's loss would wait for the device.
             self.spec.progress.set(step, loss=last.get("loss"), seq_s=last.get("sequences_per_second", 0.0),
                                    doing="", eta_s=left, eta_at=time.time())
 
+    @cached_property
     def schedule(self) -> eta.Schedule:
+        """The run's schedule, fixed for its life: made once, not at every step."""
         cfg, rows = self.spec.pretrain, self.spec.rows
         per_worker = {k: v // self.world for k, v in rows.items()}
         return eta.Schedule(cfg, self.spec.model, len(self.spec.vocab_tokens), self.world,
