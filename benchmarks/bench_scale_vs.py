@@ -23,7 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("clean", "vocab", "pairs")
 
-# Run inside one side's interpreter: that tree's bench_scale (its config overrides, its workflow).
+# Run inside one side's interpreter, with that tree's workflow. The overrides are spelled out here rather than taken
+# from each tree's bench_scale.run_stages: both sides must run the same settings whatever their defaults were then.
 _SIDE = r"""
 import json, sys, time
 from pathlib import Path
