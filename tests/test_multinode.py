@@ -83,6 +83,7 @@ class Watched:
         return "".join(self.out) + "".join(self.err)
 
 
+@pytest.mark.slow  # ~45 s: keeps the default suite under its 25 minutes
 def test_a_plain_run_beside_a_running_cluster_starts_its_own_ray(inputs, tmp_path):
     with MultiNodeRay(head_cpus=1, node_cpus=(1,)):
         run = subprocess.run(pretrain_args(inputs, "--set", "pretrain.max_steps=4",
