@@ -144,6 +144,7 @@ def fanout(model: Path, data: TaskData, recipe: GlueConfig, seed: int, concurren
     from bertpipe.jobs.tuning.fanout import Trial, run_all
     from bertpipe.jobs.tuning.inputs import read_model_files
     from bertpipe.pipeline.framework import parts, storage
+    from bertpipe.pipeline.framework.console import Console
 
     cfg = dataclasses.replace(recipe, cpus_per_trial=1, max_concurrent_trials=concurrency)
     files, task = read_model_files(str(model)), GlueTask(data)
@@ -156,7 +157,7 @@ def fanout(model: Path, data: TaskData, recipe: GlueConfig, seed: int, concurren
             trials.append(Trial(data.spec.name, lr, seed, seed, RunLogger(None), part, "bench",
                                 storage.join(stage_uri, *part.split("/"), "model")))
         t0 = time.perf_counter()
-        run_all("glue", trials, {data.spec.name: task}, files, cfg, stage_uri)
+        run_all("glue", trials, {data.spec.name: task}, files, cfg, stage_uri, Console())
         wall = time.perf_counter() - t0
     assert not any(isinstance(t.result, BaseException) for t in trials), [t.result for t in trials]
     return wall

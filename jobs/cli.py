@@ -14,9 +14,10 @@ import time
 import traceback
 from pathlib import Path
 
-from bertpipe.jobs import causes, ending, interrupts
+from bertpipe.jobs import causes, interrupts
 from bertpipe.jobs.configtools import ConfigError
 from bertpipe.pipeline.framework import redact, storage
+from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import WorkdirPaths
 from bertpipe.pipeline.framework.stage import StageInputError
 from bertpipe.pipeline.framework.workdir_lock import WorkdirBusy
@@ -187,12 +188,10 @@ def _resume_command(args, stage: str | None) -> str:
     return shlex.join(parts + (["--from", args.start] if args.start else []) + (["--force"] if args.force else []))
 
 
-def _closing_lines(args, log_path: str, first: str, stage: str | None, fix: bool = True, copy_uri: str = "",
-                   copy_failed: str = "") -> None:
+def _closing_lines(console: Console, args, log_path: str, first: str, stage: str | None, fix: bool = True,
+                   copy_uri: str = "", copy_failed: str = "") -> None:
     """The three lines a run that failed or was stopped ends with: what happened, the log (and, for a remote
     workdir, where its copy went), how to resume."""
-    from bertpipe.jobs import console
-
     console.error(_with_config(first, args))
     if log_path:
         console.error(_log_line(log_path, copy_uri, copy_failed))
@@ -200,7 +199,7 @@ def _closing_lines(args, log_path: str, first: str, stage: str | None, fix: bool
 
 
 def cmd_run(args) -> int:
-    from bertpipe.jobs import console, workflow
+    from bertpipe.jobs import workflow
     from bertpipe.pipeline.framework import workdir_lock
 
     cfg = _config(args)
@@ -212,14 +211,13 @@ def cmd_run(args) -> int:
     # One run per workdir, from before the first byte is written (the log file) until the process ends: a second
     # run stops here with one line naming the holder. Preflight runs under the lock too, so the manifests it
     # reads are not being rewritten while it reads them.
-    with workdir_lock.hold(cfg.workdir, note=lambda line: console.error(f"note: {line}")):
+    with workdir_lock.hold(cfg.workdir, note=lambda line: args.console.error(f"note: {line}")):
         return _run_locked(args, cfg, only, selected)
 
 
 def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
-    from bertpipe.jobs import console, next_steps, tracking, workflow
+    from bertpipe.jobs import console_lines, next_steps, tracking, workflow
     from bertpipe.jobs.config import resolved_tracking_uri
-    from bertpipe.pipeline.framework import progress
 
     plans = workflow.preflight(cfg, selected)  # bad input: one line, nothing written
     # An MLflow server that does not answer: one line now, rather than a traceback after MLflow's retries.
@@ -230,8 +228,9 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
     log_path = _log_file(cfg.workdir)
     copy_uri = _log_copy_uri(cfg.workdir, log_path)
     config_name = Path(args.config).stem
-    console.header(cfg, config_name, resolved_tracking_uri(cfg), selected, log_path, copy_uri)
-    progress.enable(True)
+    console = args.console
+    console_lines.header(console, cfg, config_name, resolved_tracking_uri(cfg), selected, log_path, copy_uri)
+    console.go_live()
     before = tracking.last_workflow_run()
 
     def finish(first: str, stage: str | None, fix: bool = True, failure: BaseException | None = None) -> None:
@@ -241,11 +240,11 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
             _print_traceback(failure)
         run = tracking.last_workflow_run()
         failed = _copy_log(log_path, copy_uri, run if run != before else {})
-        _closing_lines(args, log_path, first, stage, fix, copy_uri, failed)
+        _closing_lines(console, args, log_path, first, stage, fix, copy_uri, failed)
 
     try:
         summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force, verbose=args.verbose,
-                               config_name=config_name, plans=plans)
+                               config_name=config_name, plans=plans, console=console)
     except workflow.StageFailed as exc:
         # INFO: into the log file with its traceback; the console gets the three lines below instead (and, where
         # the workdir is remote or this is a submitted Ray job, the traceback first: _traceback_on_stderr).
@@ -270,7 +269,7 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
         finish(f"run failed before or between its stages: {causes.first_line(exc)}", None, failure=exc)
         return 1
     # The summary and GLUE tables, then where everything is and what to do next (jobs/next_steps.py).
-    next_steps.show(cfg, args, selected, summary, config_name)
+    next_steps.show(console, cfg, args, selected, summary, config_name)
     failed = _copy_log(log_path, copy_uri, summary.workflow_run)
     if failed:
         console.error(f"note: the run's log was not copied to {copy_uri} ({failed}); it is at {log_path}")
@@ -417,7 +416,9 @@ def _stdout_closed() -> bool:
 
 def _dispatch(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    _configure_logging(args.verbose)
+    # The console of this command, passed down from here (`bertpipe run` turns its progress on once it has begun).
+    args.console = Console()
+    _configure_logging(args.verbose, args.console)
     try:
         return args.func(args)
     except (ConfigError, StageInputError, ValueError, WorkdirBusy) as exc:
@@ -433,7 +434,7 @@ def _dispatch(argv: list[str] | None) -> int:
         return 1
 
 
-def _configure_logging(verbose: bool) -> None:
+def _configure_logging(verbose: bool, console: Console) -> None:
     """Console: warnings (everything with --verbose); the run's log file gets everything (see _log_file)."""
     # MLflow writes "View run ... at: <tracking URI>" straight to stdout, user:password included: never.
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -445,8 +446,7 @@ def _configure_logging(verbose: bool) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
     handler.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    handler.addFilter(ending.console_filter)  # quiet while a failed run cleans up: it ends with three lines
-    ending.enable()
+    handler.addFilter(console.log_filter)  # quiet while a failed run cleans up: it ends with three lines
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     for name in ("alembic", "mlflow", "urllib3", "filelock", "fsspec"):

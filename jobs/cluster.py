@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from bertpipe.jobs import console, interrupts
+from bertpipe.jobs import interrupts
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,15 @@ def ensure_private_token() -> Path | None:
     return path
 
 
-def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True, verbose: bool = False) -> None:
+def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True,
+               verbose: bool = False) -> tuple[str, str] | None:
+    """Ray for this process: the cluster at `address` (or RAY_ADDRESS), else a local Ray of `num_cpus`. Returns
+    (dashboard URL, address) when it started or joined one now, None when Ray was up already."""
     import ray
 
     global _started
     if ray.is_initialized():
-        return
+        return None
     address = address or os.environ.get("RAY_ADDRESS", "")
     for key, value in WORKER_ENV.items():
         os.environ.setdefault(key, value)
@@ -115,7 +118,7 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True, ver
     data = ray.data.DataContext.get_current()
     data.enable_progress_bars = verbose
     data.print_on_execution_start = verbose
-    console.ray_started(getattr(info, "dashboard_url", "") or "", address)
+    return getattr(info, "dashboard_url", "") or "", address
 
 
 def stop_writers(timeout_s: float = 30.0) -> None:

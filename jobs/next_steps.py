@@ -2,7 +2,7 @@
 NOT GLUE" when they come from the built-in smoke sample; the full table is summary.md), then where everything is
 and what to do next.
 
-Every command printed here works as printed in the shell that ran `bertpipe` (`console.tool`: `.venv/bin/mlflow`
+Every command printed here works as printed in the shell that ran `bertpipe` (`console_lines.tool`: `.venv/bin/mlflow`
 when the project's venv is not on PATH, as after `make run`); every path is one the run wrote (relative to the
 current directory when it lies under it).
 """
@@ -12,8 +12,9 @@ import logging
 import shlex
 from typing import Any
 
-from bertpipe.jobs import console
+from bertpipe.jobs import console_lines
 from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import WorkdirPaths
 from bertpipe.pipeline.framework.stage import read_manifest
 
@@ -22,8 +23,8 @@ UI_PORT = 5000  # `mlflow ui`'s default port
 SMOKE_LABEL = "smoke sample, NOT GLUE"
 
 
-def show(cfg, args, selected: list[str], summary: list[dict[str, Any]], config_name: str) -> None:
-    console.summary(summary)
+def show(console: Console, cfg, args, selected: list[str], summary: list[dict[str, Any]], config_name: str) -> None:
+    console_lines.summary(console, summary)
     paths = WorkdirPaths(cfg.workdir)
     glue = read_manifest(paths.stage("glue")) if "glue" in selected else None
     smoke = bool(glue) and bool(glue.get("extra", {}).get("smoke_sample", not cfg.glue.glue_data_dir))
@@ -73,14 +74,14 @@ def mlflow_line(tracking_uri: str, workflow_run: dict[str, str]) -> str:
     if tracking_uri.startswith(("http://", "https://")):
         return f"  MLflow   {tracking_uri.rstrip('/')}/{run_path}"
     if tracking_uri.startswith("sqlite:"):
-        command = f"{console.tool('mlflow')} ui --backend-store-uri {tracking_uri} --port {UI_PORT}"
+        command = f"{console_lines.tool('mlflow')} ui --backend-store-uri {tracking_uri} --port {UI_PORT}"
         return f"  MLflow   {command}, then http://127.0.0.1:{UI_PORT}/{run_path}"
     return f"  MLflow   {tracking_uri} (workflow run {workflow_run.get('run_id', '?')})"
 
 
 def real_glue_command(args) -> str:
     """This run's `bertpipe run` (config, workdir, --set), typed as this shell runs it, on real GLUE data."""
-    parts = [console.tool("bertpipe"), "run", "--config", args.config]
+    parts = [console_lines.tool("bertpipe"), "run", "--config", args.config]
     if args.workdir:
         parts += ["--workdir", args.workdir]
     for item in args.overrides:
@@ -101,13 +102,13 @@ def where_everything_is(cfg, args, selected: list[str], workflow_run: dict[str, 
     if export:
         registered = _registered(tracking_uri, cfg.mlflow.registered_model or f"bertpipe-{config_name}",
                                  pretrain.get("extra", {}).get("mlflow_model", ""))
-        lines.append(f"  model    {console.where(export)}"
+        lines.append(f"  model    {console_lines.where(export)}"
                      + (f" · MLflow registered model {registered}" if registered else ""))
     if "glue" in selected and read_manifest(paths.stage("glue")):
         out = paths.stage("glue")
         zipped = storage.join(out, "submission.zip")
-        lines.append(f"  GLUE     {console.where(storage.join(out, 'summary.md'))}"
-                     + (f" · submission {console.where(zipped)}" if storage.exists(zipped) else "")
+        lines.append(f"  GLUE     {console_lines.where(storage.join(out, 'summary.md'))}"
+                     + (f" · submission {console_lines.where(zipped)}" if storage.exists(zipped) else "")
                      + (f"  ({SMOKE_LABEL})" if smoke else ""))
     lines.append(mlflow_line(tracking_uri, workflow_run))
     if "glue" in selected:

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from bertpipe.jobs import console, ending, run_record
+from bertpipe.jobs import console_lines, run_record
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
 from bertpipe.jobs.configtools import stable_hash, to_dict
 from bertpipe.jobs.glue.report import as_fractions
-from bertpipe.pipeline.framework import outputs, parts, progress, storage
+from bertpipe.pipeline.framework import outputs, parts, storage
+from bertpipe.pipeline.framework.console import Console
 from bertpipe.jobs.interrupts import interrupt_text, reinstall as reinstall_interrupts
 from bertpipe.jobs.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.framework.identity import describe_tree
@@ -339,7 +340,7 @@ def _check_phase_lengths(cfg: RootConfig) -> None:
 
 
 def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: RunLogger | None = None,
-             registered: str = "") -> StageContext:
+             registered: str = "", console: Console | None = None) -> StageContext:
     run = run or RunLogger(None)
     paths = WorkdirPaths(cfg.workdir)
     # registered_model: the name the pre-trained model is registered under in MLflow's model registry.
@@ -348,7 +349,7 @@ def _context(cfg: RootConfig, stage: Stage, inputs: dict[str, StageInput], run: 
         name=stage.name, output_uri=paths.stage(stage.name), config=stage_config(cfg, stage), seed=cfg.seed,
         inputs=inputs, log_metrics=run.log_metrics, log_text=lambda text, name: run.log_bytes(text.encode(), name),
         tracking=tracking, paths=paths,
-        wait_for_resources_s=cfg.ray.wait_for_resources_s)
+        wait_for_resources_s=cfg.ray.wait_for_resources_s, console=console or Console())
 
 
 def status(cfg: RootConfig, verify: bool = False) -> list[dict[str, Any]]:
@@ -431,20 +432,24 @@ def headline_metrics(cfg: RootConfig) -> dict[str, float]:
 
 
 def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = None, force: bool = False,
-        verbose: bool = False, config_name: str = "", plans: dict[str, Plan] | None = None) -> RunSummary:
+        verbose: bool = False, config_name: str = "", plans: dict[str, Plan] | None = None,
+        console: Console | None = None) -> RunSummary:
     """Run the selected stages in order; returns one summary row per stage (ran / skipped), and the MLflow
     workflow run (RunSummary.workflow_run).
 
     `plans`: the result of `preflight` when the caller already ran it (the CLI does, before opening its log).
+    `console`: where the run's lines and progress go (the CLI passes its live one); by default one that shows the
+    stage lines and no progress.
     Raises StageInputError / ValueError from the preflight (nothing started) or StageFailed (a stage raised)."""
+    console = console or Console()
     selected = select(only, start)
     plans = plans if plans is not None else preflight(cfg, selected)
     name = config_name or "custom"
     code = git_tags()  # once per run: every run of the workflow and every manifest names the same code
-    ending.reset()  # the console is this run's again (a failed run before it in this process had quieted it)
+    console.reset()  # the console is this run's again (a failed run before it with this console had quieted it)
     # Runs that an earlier run of this workdir left RUNNING (its driver was killed) become KILLED; this run's own
     # id is recorded until it is closed, for the next run to do the same (jobs/run_record.py).
-    with progress.doing("mlflow: opening the tracking store (a new SQLite store first creates its tables)"):
+    with console.doing("mlflow: opening the tracking store (a new SQLite store first creates its tables)"):
         run_record.close_left_running(cfg.workdir, resolved_tracking_uri(cfg),
                                       lambda line: console.error(f"note: {line}"))
         # An empty run name: "<config> #<n> · <date time>" (jobs/tracking.py workflow_run_name).
@@ -461,7 +466,7 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     try:
         for k, stage_name in enumerate(selected, 1):
             summary.append(_run_or_skip(cfg, plans[stage_name], parent, force, (k, len(selected)), verbose,
-                                        registered, code))
+                                        registered, code, console))
             # Downstream plans read this stage's fresh manifest (a new output id makes them stale).
             for later in plans.values():
                 if stage_name in later.inputs and not later.inputs[stage_name].explicit:
@@ -480,7 +485,7 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
 
 
 def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, position: tuple[int, int],
-                 verbose: bool, registered: str, code: dict[str, str]) -> dict[str, Any]:
+                 verbose: bool, registered: str, code: dict[str, str], console: Console) -> dict[str, Any]:
     stage = plan.stage
     fp = plan.fingerprint(cfg)
     run = parent.child(stage.name, {"bertpipe.kind": "stage", "bertpipe.stage": stage.name, **code})
@@ -488,22 +493,22 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
     uri = stage_uri(cfg, stage.name)
     current, gone = folder_state(uri)
     if current is not None and current.get("fingerprint") == fp and not force and not gone:
-        console.stage(*position, stage.name, f"fresh (fingerprint {fp[:12]}), skipped")
+        console_lines.stage(console, *position, stage.name, f"fresh (fingerprint {fp[:12]}), skipped")
         run.set_tag("bertpipe.skipped", "fresh")
         run.log_metrics({"num_rows": current.get("num_rows", 0), "skipped": 1})
         run.log_dict(current, "_MANIFEST.json")
         run.end(True)
         return {"stage": stage.name, "action": "skipped", "rows": current.get("num_rows"),
                 "unit": UNITS.get(stage.name, "rows")}
-    console.stage(*position, stage.name, "running" if current is None and not gone else "rerunning (" + (
+    console_lines.stage(console, *position, stage.name, "running" if current is None and not gone else "rerunning (" + (
         "--force" if force else f"broken: {gone[0]}" if gone else "stale: config or inputs changed") + ")")
     monitor = run.system_metrics() if stage.training else None
     try:
-        with progress.doing(f"{stage.name}: running"):  # named on the console if the stage goes quiet
-            manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code),
+        with console.doing(f"{stage.name}: running"):  # named on the console if the stage goes quiet
+            manifest = _run_stage(cfg, plan, fp, run, verbose, registered, code_version(code), console,
                                   keep_parts=not force)
     except BaseException as exc:
-        ending.begin()
+        console.end_quietly()
         if isinstance(exc, KeyboardInterrupt):  # a signal: the run is KILLED, and the CLI says in which stage
             run.kill(f"{interrupt_text(exc)} while stage {stage.name} ran")
             exc.stage = stage.name
@@ -523,7 +528,7 @@ def _run_or_skip(cfg: RootConfig, plan: Plan, parent: RunLogger, force: bool, po
 
 
 def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bool, registered: str,
-               version: str, keep_parts: bool = True) -> dict[str, Any]:
+               version: str, console: Console, keep_parts: bool = True) -> dict[str, Any]:
     from bertpipe.jobs.cluster import ensure_ray
 
     stage = plan.stage
@@ -539,10 +544,12 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
         console.say(f"  {stage.name}: {kept} finished trial(s) kept by a failed run, reused where the config matches")
     try:
         address = cfg.ray.address or os.environ.get("RAY_ADDRESS", "")
-        with progress.doing(f"{stage.name}: connecting to Ray at {address}" if address else
+        with console.doing(f"{stage.name}: connecting to Ray at {address}" if address else
                             f"{stage.name}: starting a local Ray ({cfg.ray.num_cpus} CPUs)"):
-            ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
-        ctx = _context(cfg, stage, plan.inputs, run, registered)
+            started_ray = ensure_ray(cfg.ray.address, cfg.ray.num_cpus, cfg.ray.dashboard, verbose)
+        if started_ray is not None:
+            console_lines.ray_started(console, *started_ray)
+        ctx = _context(cfg, stage, plan.inputs, run, registered, console)
         result = _load(stage.run)(ctx)
         explicit = [r for ids in plan.explicit_ids.values() for r in ids]
         result.raw_inputs = (result.raw_inputs or plan.raw) + explicit
@@ -556,7 +563,7 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
             started=started, code_version=version,
         )
     except BaseException as exc:
-        _after_failure(uri, run_id, exc)
+        _after_failure(uri, run_id, exc, console)
         raise
     outputs.release(uri)
     # The stage's summary, one value per figure at step 0 (MLflow draws a bar, not a one-point line): only what the
@@ -568,12 +575,12 @@ def _run_stage(cfg: RootConfig, plan: Plan, fp: str, run: RunLogger, verbose: bo
     run.log_metrics({k: v for k, v in final.items() if k not in logged})
     run.log_dict(manifest, "_MANIFEST.json")
     run.end(True)
-    console.say(f"  {stage.name} done: {console.amount(manifest['num_rows'], UNITS.get(stage.name, 'rows'))} "
-                f"in {manifest['seconds']:.1f} s")
+    made = console_lines.amount(manifest["num_rows"], UNITS.get(stage.name, "rows"))
+    console.say(f"  {stage.name} done: {made} in {manifest['seconds']:.1f} s")
     return manifest
 
 
-def _after_failure(uri: str, run_id: str, exc: BaseException) -> None:
+def _after_failure(uri: str, run_id: str, exc: BaseException, console: Console) -> None:
     """A stage failed or was interrupted: stop its writers first (Ray tasks of this run go on writing otherwise),
     then remove its temporary files (a full disk gets its space back), then record what it left so the next run
     may delete it. Each step best effort: the stage's own error is the one to report."""
@@ -581,7 +588,7 @@ def _after_failure(uri: str, run_id: str, exc: BaseException) -> None:
 
     from bertpipe.jobs.cluster import stop_writers
 
-    ending.begin()  # what the cleanup meets goes to the log file; the console ends with the CLI's three lines
+    console.end_quietly()  # what the cleanup meets goes to the log file; the console ends with the CLI's three lines
     # The stage's frames, kept alive by the traceback, hold its Ray Data iterators: dropped now, while Ray is still
     # up, they shut their executors down (cancelling the dataset's tasks) instead of failing later, in __del__,
     # against a Ray that is gone. The traceback keeps its file names and lines for the log.

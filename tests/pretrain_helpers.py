@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.pipeline.formats.shards import seq_dir, shard_meta, shard_schema, train_shard_name, write_shard
+from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.stage import StageContext, StageInput, StageResult, read_manifest, write_manifest
 from bertpipe.pipeline.formats.vocabulary import vocab_hash
 
@@ -83,12 +84,13 @@ def tiny_config(**overrides) -> PretrainConfig:
 
 
 def context(root: Path, inputs, cfg: PretrainConfig, *, model: ModelConfig | None = None, seed: int = 7,
-            tracking: dict | None = None, output: str = "pretrain") -> StageContext:
+            tracking: dict | None = None, output: str = "pretrain",
+            console: Console | None = None) -> StageContext:
     out = root / output
     out.mkdir(parents=True, exist_ok=True)
     return StageContext(name="pretrain", output_uri=str(out), config={
         "model": model or ModelConfig(preset="tiny", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1),
-        "pretrain": cfg}, seed=seed, inputs=inputs, tracking=tracking or {})
+        "pretrain": cfg}, seed=seed, inputs=inputs, tracking=tracking or {}, console=console or Console())
 
 
 def with_phases(cfg: PretrainConfig, *phases: PhaseConfig) -> PretrainConfig:

@@ -137,9 +137,9 @@ def test_a_node_lost_with_no_restart_left_is_told_at_once_and_nodes_are_read_at_
 def test_the_progress_line_shows_no_eta_while_the_work_cannot_know_one():
     import time
 
-    from bertpipe.pipeline.framework.progress import Progress
+    from bertpipe.pipeline.framework.console import Console
 
-    shown = Progress("pretrain", 300, "steps")
+    shown = Console().progress("pretrain", 300, "steps")
     shown.set(37, eta_s=20.0, eta_at=time.time())
     assert shown.eta() is not None and "ETA" in shown.line()
     shown.set(37, eta_unknown=True, doing="a worker node (10.0.0.3, 1 CPUs) was lost at step 37: restarting")

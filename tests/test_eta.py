@@ -1,7 +1,8 @@
 """The pieces behind "no silent minute": the pre-training ETA's arithmetic (jobs/pretrain/eta.py) and the console's
-heartbeat (pipeline/framework/progress.py). The whole, on a real run, is tests/test_first_hour.py."""
+heartbeat (pipeline/framework/console.py). The whole, on a real run, is tests/test_first_hour.py."""
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from bertpipe.jobs.config import load_config
 from bertpipe.jobs.pretrain import eta
 from bertpipe.pipeline.framework import progress
+from bertpipe.pipeline.framework.console import QUIET_S, Console
 
 
 @pytest.fixture
@@ -97,15 +99,25 @@ def test_a_million_steps_cost_no_time_to_estimate():
     schedule = eta.Schedule(cfg.pretrain, cfg.model, 30522, 2, {}, {})
     clock = eta.Clock()
     clock.step(0, 1.0)
-    started = time.perf_counter()
-    for step in range(1, 200):
-        eta.seconds_left(schedule, clock, step, 0)
-    assert time.perf_counter() - started < 0.5
+    lines = [0]
+
+    def count(frame, event, arg):  # every Python line run, in eta.py and whatever it calls
+        if event == "line":
+            lines[0] += 1
+        return count
+
+    sys.settrace(count)
+    try:
+        for step in (1, 500_000, 999_999):
+            eta.seconds_left(schedule, clock, step, 0)
+    finally:
+        sys.settrace(None)
+    assert lines[0] < 3 * 2000  # a loop over the million steps would run millions of lines
 
 
 def test_progress_prefers_the_work_s_own_estimate():
     """The workers' estimate, made 5 s ago, less those 5 s; nothing is added for what no one measured."""
-    shown = progress.Progress("pretrain", 40, "steps")
+    shown = progress.Progress(Console(), "pretrain", 40, "steps")
     shown.set(10, eta_s=20.0, eta_at=time.time() - 5.0)
     assert shown.eta() == pytest.approx(15.0, abs=0.5)
     assert "ETA 0:00:1" in shown.line()
@@ -182,21 +194,23 @@ def test_streams_opened_before_training_count_by_the_slowest(step_clock):
     assert clock.measured.stream_start_s == 4.0 and clock.measured.step_s[0] == pytest.approx([0.2])
 
 
-def test_a_quiet_console_hears_what_runs(capsys, monkeypatch):
-    """The heartbeat names the innermost activity once the console has been quiet for QUIET_S, and no sooner."""
-    monkeypatch.setattr(progress, "QUIET_S", 0.3)
-    progress.enable(True)
+def test_a_quiet_console_hears_what_runs(capsys):
+    """The heartbeat names the innermost activity once the console has been quiet for QUIET_S, and no sooner (a fake
+    clock: the watchdog thread's heartbeats see the same time as the test's)."""
+    now = [1000.0]
+    console = Console(live=True, clock=lambda: now[0])
     try:
-        with progress.doing("pretrain: running"):
-            with progress.doing("registering the model in MLflow"):
-                progress.heartbeat()
+        with console.doing("pretrain: running"):
+            with console.doing("registering the model in MLflow"):
+                now[0] += QUIET_S - 0.1
+                console.heartbeat()
                 assert capsys.readouterr().out == ""
-                time.sleep(0.35)
-                progress.heartbeat()
-                progress.heartbeat()  # just printed: quiet again only QUIET_S later
-        time.sleep(0.35)
-        progress.heartbeat()  # nothing runs: nothing to say
+                now[0] += 0.1
+                console.heartbeat()
+                console.heartbeat()  # just printed: quiet again only QUIET_S later
+        now[0] += QUIET_S
+        console.heartbeat()  # nothing runs: nothing to say
     finally:
-        progress.enable(False)
+        console.close()
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("  registering the model in MLflow · 0:00:00"), lines

@@ -104,10 +104,12 @@ def test_submission_rows_and_seeds():
         GlueConfig(tasks=("SST2",))
 
 
-def _ctx(out: Path, cfg: GlueConfig, tracking: dict) -> StageContext:
+def _ctx(out: Path, cfg: GlueConfig, tracking: dict, console=None) -> StageContext:
+    from bertpipe.pipeline.framework.console import Console
+
     return StageContext(name="glue", output_uri=str(out), config={"glue": cfg}, seed=5,
                         inputs={"pretrain": StageInput("pretrain", str(out.parent / "pretrain"), {})},
-                        tracking=tracking)
+                        tracking=tracking, console=console or Console())
 
 
 def table_rows(out: Path) -> list[dict]:
@@ -193,15 +195,15 @@ def test_stage_fans_out_on_ray_with_mlflow(ray_local, tiny_model, tmp_path):
 
 @pytest.mark.integration
 def test_default_smoke_sample_and_all_failed(ray_local, tiny_model, tmp_path, capsys):
-    from bertpipe.pipeline.framework import progress
+    from bertpipe.pipeline.framework.console import Console
 
     cfg = GlueConfig(init=str(tiny_model), tasks=("WNLI", "CoLA"), learning_rates=(1e-3,), num_epochs=1,
                          max_concurrent_trials=1)
-    progress.enable(True)  # as the CLI does: the trials' steps on one driver line
+    console = Console(live=True)  # as the CLI's: the trials' steps on one driver line
     try:
-        result = run_stage(_ctx(tmp_path / "out", cfg, {}))  # no tracking: MLflow skipped
+        result = run_stage(_ctx(tmp_path / "out", cfg, {}, console))  # no tracking: MLflow skipped
     finally:
-        progress.enable(False)
+        console.close()
     shown = capsys.readouterr().out
     assert re.search(r"glue: (\d+)/\1 \(100%\) steps · trials 2/2 · best \d+\.\d\d · .*done in", shown), shown
     assert (tmp_path / "out" / "smoke_glue" / "README.txt").read_text().startswith("SMOKE SAMPLE - NOT GLUE")

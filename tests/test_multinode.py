@@ -99,18 +99,17 @@ _BOARD_PLACES = """
 import json, sys
 import ray
 from ray._private import state
-from bertpipe.pipeline.framework import progress
+from bertpipe.pipeline.framework.console import Console
 
 ray.init(address=sys.argv[1], log_to_driver=False)
 head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
 places = []
 for _ in range(int(sys.argv[2])):
-    board = progress.shared_board()
+    board = Console().board()
     ray.get(board.read.remote("x"))
     mine = [a for a in state.actors().values() if a["Name"].startswith("bertpipe-progress-") and a["State"] == "ALIVE"]
     places.append(mine[0]["Address"]["NodeID"] == head)
     ray.kill(board)
-    progress._BOARDS.clear()
 print(json.dumps(places))
 """
 

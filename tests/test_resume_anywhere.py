@@ -194,21 +194,21 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
                                                                                     capsys):
     import ray.train
 
-    from bertpipe.pipeline.framework import progress
+    from bertpipe.pipeline.framework.console import Console
 
-    progress.enable(True)
+    console = Console(live=True)
     try:
         inputs = make_inputs(tmp_path / "data", lengths=(32,), rows_per_shard=800, num_shards=4, heldout_rows=160)
         faults.arm(step=30, rank=1)
         with pytest.raises(ray.train.TrainingFailedError):
-            run_stage(context(tmp_path, inputs, config(max_failures=0)))
+            run_stage(context(tmp_path, inputs, config(max_failures=0), console=console))
         capsys.readouterr()
         # the cadence, the CPUs, the retries and the micro-batch changed: the same run, resumed, the rest of the
         # epoch re-cut into micro-batches of 4 (accumulation 4 instead of 2)
         again = config(max_failures=2, log_every_steps=4, eval_every_steps=0, checkpoint_every_steps=15,
                        cpus_per_worker=1)
         again = dataclasses.replace(again, phases=(dataclasses.replace(again.phases[0], micro_batch_size=4),))
-        result = run_stage(context(tmp_path, inputs, again))
+        result = run_stage(context(tmp_path, inputs, again, console=console))
         said = [line for line in capsys.readouterr().out.splitlines() if "pretrain: " in line and "step" in line]
         assert result.metrics["resumed_from_step"] == 20 and result.metrics["step"] == STEPS
         assert any("resuming from the step-20 checkpoint" in line and "taken with 2 workers × micro 8; now 2 "
@@ -219,7 +219,7 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
         assert (last["epoch"], last["sequences"], last["dealt"], last["batch"]) == (0, 40 * 16, 8, 40 + 80)
         # another learning rate: another run, from step 0, and the line names the field
         changed = dataclasses.replace(config(), phases=(dataclasses.replace(config().phases[0], learning_rate=1e-3),))
-        result = run_stage(context(tmp_path, inputs, changed))
+        result = run_stage(context(tmp_path, inputs, changed, console=console))
         said = [line for line in capsys.readouterr().out.splitlines() if "training starts at step 0" in line]
         assert result.metrics["resumed_from_step"] == 0
         assert len(said) == 1 and "pretrain.phases[0].learning_rate 0.003 → 0.001" in said[0], said
@@ -228,10 +228,11 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
         # epoch left out (the line says how much), and training goes on with the next epoch to the end
         faults.arm(step=25, rank=1)
         with pytest.raises(ray.train.TrainingFailedError):
-            run_stage(context(tmp_path, inputs, config(max_failures=0, restart=True)))
+            run_stage(context(tmp_path, inputs, config(max_failures=0, restart=True), console=console))
         said = [line for line in capsys.readouterr().out.splitlines() if "training starts at step 0" in line]
         assert said and "(pretrain.restart)" in said[0], said
-        result = run_stage(context(tmp_path, inputs, dataclasses.replace(config(max_failures=0), num_workers=1)))
+        one_worker = dataclasses.replace(config(max_failures=0), num_workers=1)
+        result = run_stage(context(tmp_path, inputs, one_worker, console=console))
         said = [line for line in capsys.readouterr().out.splitlines() if "resuming from" in line]
         assert result.metrics["resumed_from_step"] == 20 and result.metrics["step"] == STEPS
         # 3200 rows: each of the 2 workers had 1600 of the epoch and trained 20 steps × 16 of them
@@ -248,7 +249,7 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
         assert (start["resumed_from_step"], start["layout_then"]["num_workers"], start["layout_now"]["num_workers"],
                 start["left_out"], start["started_from"]) == (20, 2, 1, 2560, "random initialisation")
     finally:
-        progress.enable(False)
+        console.close()
 
 
 

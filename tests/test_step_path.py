@@ -203,16 +203,16 @@ def test_zero0_without_a_norm_trains_on():
 
 def test_progress_says_once_what_the_work_is_doing(capsys):
     """A status (e.g. 'compiling the model') is printed at once when it changes, not repeated on every poll."""
-    from bertpipe.pipeline.framework import progress
+    from bertpipe.pipeline.framework.console import Console
 
-    progress.enable(True)
+    console = Console(live=True)
     try:
-        shown = progress.Progress("pretrain", 40, "steps")
+        shown = console.progress("pretrain", 40, "steps")
         for _ in range(3):  # the driver's poll hands the same fields over and over
             shown.set(0, status="compiling the model (torch.compile, first step)")
         shown.set(0, status="model compiled in 12 s")
     finally:
-        progress.enable(False)
+        console.close()
     lines = [l for l in capsys.readouterr().out.splitlines() if l.strip()]
     assert lines == ["  pretrain: compiling the model (torch.compile, first step)",
                      "  pretrain: model compiled in 12 s"]

@@ -196,7 +196,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     parts.drop_all_but(ctx.output_uri, {t.part for t in trials if t.result is not None})  # other configs' trials
     num_kept = sum(t.result is not None for t in trials)
     fanout.run_all("glue", trials, {o.spec.name: task for o, task, _ in planned if task is not None},
-                   model_files, cfg, ctx.output_uri)
+                   model_files, cfg, ctx.output_uri, ctx.console)
     gather(trials, outcomes, ctx.output_uri)
     if not any(o.status == "ok" for o in outcomes):
         raise StageInputError(f"glue: no GLUE task present in {glue_dir}")

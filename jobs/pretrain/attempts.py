@@ -3,7 +3,7 @@ recorded in MLflow.
 
 Ray Train restarts the worker group from the last reported checkpoint when a worker or its node dies (up to
 `pretrain.max_failures` times), silently as far as the driver's `fit()` is concerned. The watch is called on every
-poll of the progress board (pipeline/framework/progress.py `remote_progress(watch=...)`) with the workers' latest
+poll of the progress board (pipeline/framework/console.py `remote_progress(watch=...)`) with the workers' latest
 step and fields. It notices:
 - a node that was alive when training started and is gone now: at once, the progress line says so ("a worker node
   (10.0.0.7, 2 CPUs) was lost at step 62: restarting the workers") and drops the old attempt's ETA;

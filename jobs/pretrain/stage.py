@@ -34,18 +34,11 @@ from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import export_of
-from bertpipe.pipeline.framework.progress import ENABLED, doing, emit, remote_progress
 from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
 
 log = logging.getLogger("bertpipe.pretrain")
-
-
-def console_line(text: str) -> None:
-    """A line for the user now (and the run's log): the console when the CLI shows progress."""
-    log.info("%s", text)
-    if ENABLED["on"]:
-        emit(f"  {text}")
 
 
 def resource_need(cfg: PretrainConfig) -> Need:
@@ -54,22 +47,22 @@ def resource_need(cfg: PretrainConfig) -> Need:
     return Need("pretrain", cfg.num_workers, cfg.cpus_per_worker, 1.0 if cfg.use_gpu else 0.0)
 
 
-def wait_for_capacity(cfg: PretrainConfig, wait_s: float) -> None:
+def wait_for_capacity(cfg: PretrainConfig, wait_s: float, console: Console) -> None:
     """Until the cluster can hold the workers and a data CPU: at once, after nodes joined, or ValueError."""
     import ray
 
-    waited = wait_for(resource_need(cfg), wait_s, ray.cluster_resources, console_line, ask=ask_autoscaler)
+    waited = wait_for(resource_need(cfg), wait_s, ray.cluster_resources, console.tell, ask=ask_autoscaler)
     if waited:
         log.info("pretrain: started after waiting %.0f s for the cluster to grow", waited)
         release_request()
 
 
-def resume_point(storage_path: str, run_name: str, cfg: PretrainConfig) -> str | None:
+def resume_point(storage_path: str, run_name: str, cfg: PretrainConfig, console: Console) -> str | None:
     """The newest complete checkpoint of the run (the workers resume there), saying in one line when newer ones are
     incomplete."""
     resume, torn = survey(storage_path, run_name, cfg)
     if torn:
-        console_line(f"pretrain: the newest checkpoint is incomplete (a crash while saving: a rank's file missing or "
+        console.tell(f"pretrain: the newest checkpoint is incomplete (a crash while saving: a rank's file missing or "
                      f"cut short: {torn[-1]}); resuming from "
                      + (f"the step-{step_of(resume)} checkpoint" if resume else "step 0"))
     return resume
@@ -196,7 +189,7 @@ def announce_start(ctx: StageContext, cfg: PretrainConfig, storage_path: str, na
     """One line on what training starts from (start_record), the same in MLflow's tags and the run folder's
     identity record; returns the record (the stage's manifest keeps it too)."""
     record = start_record(ctx, cfg, storage_path, name, resume, rows or {})
-    console_line(identity.describe_start(record))
+    ctx.console.tell(identity.describe_start(record))
     run.set_tags(start_tags(record))
     identity.record(storage_path, name, run_identity(ctx), start=record)
     return record
@@ -381,7 +374,7 @@ def final_metrics(ctx: StageContext, result: Any, baselines: dict, run: RunLogge
     """The workers' final figures with the baselines and how far above them the held-out accuracies are; the
     learning files written."""
     metrics = {k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
-    with doing("pretrain: baselines and learning curves"):
+    with ctx.console.doing("pretrain: baselines and learning curves"):
         base, learning_files = write_learning(ctx, baselines, (result.metrics or {}).get("history", []), run)
     metrics.update(base)
     for task in ("mlm", "nsp"):  # how far above the trivial predictor the held-out accuracy is
@@ -396,7 +389,7 @@ def run_stage(ctx: StageContext) -> StageResult:
 
     started = time.time()
     cfg: PretrainConfig = ctx.config["pretrain"]
-    wait_for_capacity(cfg, ctx.wait_for_resources_s)
+    wait_for_capacity(cfg, ctx.wait_for_resources_s, ctx.console)
     if layout_warning(cfg):
         log.warning("%s", layout_warning(cfg))
     storage_path = cfg.storage_path or ctx.paths.ray_results
@@ -404,7 +397,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     if cfg.init:  # what the checkpoint lacks, in one line (the workers load it before DeepSpeed wraps the model)
         from bertpipe.jobs.pretrain.init import heads_line
 
-        console_line(heads_line(cfg.init, init_heads(ctx)))
+        ctx.console.tell(heads_line(cfg.init, init_heads(ctx)))
     datasets, spec = _datasets(ctx.input("pairs").uri, spec)
     ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.num_workers)
     storage.write_text_atomic(storage.join(ctx.output_uri, "deepspeed_config.json"),
@@ -412,12 +405,12 @@ def run_stage(ctx: StageContext) -> StageResult:
     run = RunLogger(ctx.tracking)
     run.log_params(ctx.config, skip_logged=True)
     run.log_dict(ds_json, "deepspeed_config.json")
-    resume = resume_point(storage_path, spec.run_name, cfg)
+    resume = resume_point(storage_path, spec.run_name, cfg, ctx.console)
     start = announce_start(ctx, cfg, storage_path, spec.run_name, resume, run, spec.rows)
     log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     watch = AttemptWatch(cfg.max_failures, run)
-    with remote_progress("pretrain", cfg.max_steps, "steps", _describe, watch=watch) as progress, \
+    with ctx.console.remote_progress("pretrain", cfg.max_steps, "steps", _describe, watch=watch) as progress, \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baselines") as driver_side:
         progress.set(0, doing=f"starting {cfg.num_workers} Ray Train workers")
         early_baselines = driver_side.submit(final_baselines, ctx, cfg, spec.vocab_tokens)
@@ -435,7 +428,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     metrics["seconds"] = time.time() - started
     storage.write_text_atomic(storage.join(ctx.output_uri, "metrics.json"), json.dumps(metrics, indent=2))
     registered = ctx.tracking.get("registered_model", "")
-    with doing(f"pretrain: registering the model in MLflow as {registered}"):
+    with ctx.console.doing(f"pretrain: registering the model in MLflow as {registered}"):
         model_uri = register(run, spec.export_uri, registered,
                              *(model_card(ctx, metrics, run) if run.active and registered else ()))
     log.info("pretrain: %.1f s after training (baselines, curves, registration)", time.perf_counter() - tail)

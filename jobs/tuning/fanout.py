@@ -24,6 +24,7 @@ from bertpipe.jobs.tuning.inputs import write_model_files
 from bertpipe.jobs.tuning.loop import TrialResult, TrialTask, run_trial
 from bertpipe.jobs.tuning.progress import TrialsProgress
 from bertpipe.pipeline.framework import parts, storage
+from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.stage import StageContext
 
 log = logging.getLogger("bertpipe.tuning")
@@ -99,7 +100,7 @@ def _trial_body(model_files: dict[str, bytes], task: TrialTask, lr: float, seed:
 
 
 def run_all(stage: str, trials: list[Trial], tasks: dict[str, TrialTask], model_files: dict[str, bytes], recipe,
-            stage_uri: str) -> None:
+            stage_uri: str, console: Console) -> None:
     """Run every trial without a result, at most max_concurrent_trials at once. Each one that ends is committed
     as a part (or what it half wrote deleted) and its MLflow run ended, so a sweep stopped half way keeps what
     finished; its result or exception lands in `trial.result`."""
@@ -117,7 +118,7 @@ def run_all(stage: str, trials: list[Trial], tasks: dict[str, TrialTask], model_
     model_ref, task_refs = ray.put(model_files), {g: ray.put(tasks[g]) for g in {t.group for t in todo}}
     limit = recipe.max_concurrent_trials or len(todo)
     running: dict[Any, Trial] = {}
-    with TrialsProgress(stage, todo) as progress:
+    with TrialsProgress(console, stage, todo) as progress:
         while todo or running:
             while todo and len(running) < limit:
                 t = todo.pop(0)
@@ -206,7 +207,7 @@ def sweep(stage: str, task: TrialTask, ctx: StageContext, recipe, model_files: d
     base = kept.base_key(stage, recipe, ctx.seed, kept.files_digest(model_files), data_files)
     trials = plan(stage, recipe, ctx, parent, base)
     parts.drop_all_but(ctx.output_uri, {t.part for t in trials if t.result is not None})
-    run_all(stage, trials, {"": task}, model_files, recipe, ctx.output_uri)
+    run_all(stage, trials, {"": task}, model_files, recipe, ctx.output_uri, ctx.console)
     bad = failed(trials)
     if bad:
         raise failures.requested_failed(f"{stage} trials", bad, len(trials), ctx.output_uri,

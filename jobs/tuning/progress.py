@@ -7,23 +7,21 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bertpipe.pipeline.framework import progress as shown_progress
-from bertpipe.pipeline.framework.progress import POLL_S, Progress, Reporter
+from bertpipe.pipeline.framework.console import Console
+from bertpipe.pipeline.framework.progress import POLL_S, Reporter
 
 
 class TrialsProgress:
     poll_s = POLL_S
 
-    def __init__(self, stage: str, trials: list):
+    def __init__(self, console: Console, stage: str, trials: list):
         self.stage, self.trials = stage, list(trials)
-        self.board = None
-        if shown_progress.ENABLED["on"]:
-            self.board = shown_progress.shared_board()
+        self.board = console.board() if console.live else None
         self.tag = f"{stage}-{time.monotonic_ns()}"
         self.state: dict[str, tuple[float, dict[str, Any]]] = {}  # trial key -> (steps, fields)
         self.finished: set[str] = set()
         self.best = float("-inf")
-        self.shown = Progress(stage, None, "steps", self._describe)
+        self.shown = console.progress(stage, None, "steps", self._describe)
         self.last_key = ""
 
     def __enter__(self) -> "TrialsProgress":

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from bertpipe.pipeline.framework import storage
+from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import WorkdirPaths
 
 MANIFEST_NAME = "_MANIFEST.json"
@@ -65,6 +66,8 @@ class StageContext:
     # Seconds a stage short of CPUs/GPUs waits for nodes to join (ray.wait_for_resources_s; placement, not part of
     # the stage's result or fingerprint). 0 = refuse at once.
     wait_for_resources_s: float = 0.0
+    # The run's console (the CLI's, live; by default one that shows no progress): progress, statuses, lines.
+    console: Console = field(default_factory=Console)
 
     def __post_init__(self) -> None:
         if self.paths is None:

@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.stages.config import CleanConfig
 from bertpipe.pipeline.framework.identity import describe_file
-from bertpipe.pipeline.framework.progress import Reporter, remote_progress
+from bertpipe.pipeline.framework.console import Console
+from bertpipe.pipeline.framework.progress import Reporter
 from bertpipe.pipeline.stages.dump_reader import ReadUnit, check_dump_head, expand_inputs, iter_pages, plan_units
 from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
 from bertpipe.pipeline.stages.wikitext import is_disambiguation, wikitext_to_paragraphs
@@ -198,13 +199,14 @@ def clean_and_write_unit(unit: dict[str, Any], *, output_uri: str, rows_per_file
             "truncated": truncated, **{f"n_{k}": v for k, v in counts.items()}}
 
 
-def _clean_units(units: list[ReadUnit], cfg: CleanConfig, output_uri: str) -> list[dict[str, Any]]:
+def _clean_units(units: list[ReadUnit], cfg: CleanConfig, output_uri: str,
+                 console: Console) -> list[dict[str, Any]]:
     """Every unit read, cleaned and written by Ray Data tasks; their count rows, in unit order."""
     import ray
 
     fs, root = storage.resolve(output_uri)
     fs.create_dir(root, recursive=True)
-    with remote_progress("clean", None, "MB wikitext") as progress:
+    with console.remote_progress("clean", None, "MB wikitext") as progress:
         ds = ray.data.from_items([{"uri": u.uri, "start": u.start, "end": u.end, "index": i}
                                   for i, u in enumerate(units)], override_num_blocks=len(units))
         ds = ds.map(clean_and_write_unit, concurrency=cfg.num_read_workers or None,
@@ -227,7 +229,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("clean: %d dump(s), %d read unit(s)", len(raw_inputs), len(units))
 
     try:
-        rows = _clean_units(units, cfg, ctx.output_uri)
+        rows = _clean_units(units, cfg, ctx.output_uri, ctx.console)
         counts: Counter[str] = Counter()
         per_source: Counter[str] = Counter()
         for r in rows:

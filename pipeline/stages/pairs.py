@@ -36,7 +36,7 @@ from bertpipe.pipeline.stages.instances import PairStats, create_spans, derive_s
 from bertpipe.pipeline.stages.sentences import split_sentences
 from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
 from bertpipe.pipeline.stages.documents import document_files, read_documents
-from bertpipe.pipeline.framework.progress import Reporter, remote_progress
+from bertpipe.pipeline.framework.progress import Reporter
 from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS
 from bertpipe.pipeline.formats.vocabulary import load_vocab, make_tokenizer, special_ids, vocab_file, vocab_hash
 
@@ -380,7 +380,7 @@ def _first_pass(ctx: StageContext, cfg: PairsConfig, files: list[str], block_kwa
     saved_order = data_ctx.execution_options.preserve_order
     data_ctx.execution_options.preserve_order = True  # same input -> same blocks -> same keys, seeds and bytes
     try:
-        with remote_progress("pairs", known, "docs") as progress:
+        with ctx.console.remote_progress("pairs", known, "docs") as progress:
             ds = read_documents(files).map_batches(pair_block, batch_size=cfg.docs_per_partition,
                                                    batch_format="pyarrow", fn_kwargs={**block_kwargs,
                                                                                       "progress": progress})
