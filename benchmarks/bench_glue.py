@@ -140,7 +140,7 @@ def run_hf(model: Path, data: TaskData, recipe: GlueConfig, lr: float, seed: int
 
 def fanout(model: Path, data: TaskData, recipe: GlueConfig, seed: int, concurrency: int) -> float:
     """Wall time of 4 trials (4 learning rates) on a 2-CPU local Ray, `concurrency` at a time, 1 CPU each."""
-    from bertpipe.jobs.tracking import RunLogger
+    from bertpipe.jobs.services.tracking import RunLogger
     from bertpipe.jobs.tuning.fanout import Trial, run_all
     from bertpipe.jobs.tuning.inputs import read_model_files
     from bertpipe.pipeline.framework import parts, storage

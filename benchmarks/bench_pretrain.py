@@ -31,7 +31,7 @@ def main() -> None:
     from mlflow.tracking import MlflowClient
 
     from bertpipe.jobs.pretrain.stage import run_stage
-    from bertpipe.jobs.tracking import metric_name
+    from bertpipe.jobs.services.tracking import metric_name
     from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig
     from pretrain_helpers import context, make_inputs, tiny_config
 

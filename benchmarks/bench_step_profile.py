@@ -42,7 +42,7 @@ def build(zero: int, optimizer: str, precision: str):
     import engine_helpers as eh
     from bertpipe.jobs.pretrain import loop
     from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
-    from bertpipe.jobs.tracking import RunLogger
+    from bertpipe.jobs.services.tracking import RunLogger
 
     cfg = PretrainConfig(num_workers=1, zero_stage=zero, optimizer=optimizer, max_steps=100,
                          phases=(PhaseConfig(max_seq_length=L, max_predictions_per_seq=P,

@@ -47,7 +47,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("no CUDA GPU: this benchmark needs one")
     from bertpipe.jobs.pretrain.stage import run_stage
-    from bertpipe.jobs.tracking import metric_name
+    from bertpipe.jobs.services.tracking import metric_name
     from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
     import pretrain_helpers as h
 

@@ -34,7 +34,7 @@ def build(zero: int, optimizer: str, micro: int, accum: int, seq: int, preset: s
     from bertpipe.jobs.pretrain.engine import build_engine
     from bertpipe.jobs.pretrain.worker import Worker
     from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
-    from bertpipe.jobs.tracking import RunLogger
+    from bertpipe.jobs.services.tracking import RunLogger
 
     gpu = device == "cuda"
     cfg = PretrainConfig(num_workers=1, use_gpu=gpu, precision="bf16" if gpu else "auto", zero_stage=zero,

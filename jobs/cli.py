@@ -14,8 +14,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bertpipe.jobs import causes, interrupts
-from bertpipe.jobs.configtools import ConfigError
+from bertpipe.jobs.services import causes, interrupts
+from bertpipe.jobs.services.configtools import ConfigError
 from bertpipe.pipeline.framework import redact, storage
 from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import WorkdirPaths
@@ -113,7 +113,7 @@ def _copy_log(log_path: str, copy_uri: str, workflow_run: dict[str, str]) -> str
     except OSError as exc:
         return _first_line(exc)
     if workflow_run:
-        from bertpipe.jobs import tracking
+        from bertpipe.jobs.services import tracking
 
         tracking.attach_bytes(workflow_run, data, os.path.basename(log_path), "logs")
     try:
@@ -216,7 +216,8 @@ def cmd_run(args) -> int:
 
 
 def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
-    from bertpipe.jobs import console_lines, next_steps, tracking, workflow
+    from bertpipe.jobs import console_lines, next_steps, workflow
+    from bertpipe.jobs.services import tracking
     from bertpipe.jobs.config import resolved_tracking_uri
 
     plans = workflow.preflight(cfg, selected)  # bad input: one line, nothing written
@@ -254,7 +255,7 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
             return _SIGPIPE_EXIT
         finish(f"stage {exc.stage} failed: {causes.first_line(exc.cause)}", exc.stage, failure=exc.cause)
         return 2 if isinstance(exc.cause, (ConfigError, StageInputError)) else 1
-    except KeyboardInterrupt as exc:  # SIGINT, SIGTERM, SIGHUP (jobs/interrupts.py): cleaned up on the way here
+    except KeyboardInterrupt as exc:  # SIGINT, SIGTERM, SIGHUP (services/interrupts.py): cleaned up on the way here
         stage = getattr(exc, "stage", None)
         logging.getLogger("bertpipe").info("run stopped: %s", interrupts.interrupt_text(exc), exc_info=exc)
         finish(f"{f'stage {stage}' if stage else 'run'} {interrupts.interrupt_text(exc)}", stage, fix=False)

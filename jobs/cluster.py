@@ -14,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-from bertpipe.jobs import interrupts
+from bertpipe.jobs.services import interrupts
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bertpipe.jobs.configtools import ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths, to_dict
+from bertpipe.jobs.services.configtools import (ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths,
+                                                to_dict)
 from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.features.config import FeaturesConfig
 from bertpipe.jobs.ner.config import NerConfig

@@ -67,7 +67,7 @@ def forget(workdir: str, run_id: str) -> None:
 def close_left_running(workdir: str, tracking_uri: str, note: Callable[[str], None]) -> None:
     """Close the runs earlier runs of this workdir left open. Call only while holding the workdir lock. Best effort:
     a store that cannot be reached keeps its record for the next run."""
-    from bertpipe.jobs.tracking import close_abandoned
+    from bertpipe.jobs.services.tracking import close_abandoned
 
     runs, kept = _read(workdir), []
     for entry in runs:

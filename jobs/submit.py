@@ -322,7 +322,7 @@ def _follow(client, job_id: str, submitted: float, args) -> int:
         print(f"[bertpipe] job {job_id} {status} after {time.time() - submitted:.1f} s{why}", flush=True)
         return exit_status(info)
     except KeyboardInterrupt as exc:  # the job goes on: say how to find it again
-        from bertpipe.jobs import interrupts
+        from bertpipe.jobs.services import interrupts
 
         print(f"bertpipe: stopped following job {job_id} ({interrupts.interrupt_text(exc)}); it goes on: "
               f"{_jobs_command(args, 'logs --follow', job_id)}, or stop it: {_jobs_command(args, 'stop', job_id)}",

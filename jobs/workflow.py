@@ -23,12 +23,12 @@ from typing import Any, Callable
 
 from bertpipe.jobs import console_lines, run_record
 from bertpipe.jobs.config import RootConfig, config_as_dict, resolved_tracking_uri
-from bertpipe.jobs.configtools import stable_hash, to_dict
+from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.jobs.glue.report import as_fractions
 from bertpipe.pipeline.framework import outputs, parts, storage
 from bertpipe.pipeline.framework.console import Console
-from bertpipe.jobs.interrupts import interrupt_text, reinstall as reinstall_interrupts
-from bertpipe.jobs.tracking import RunLogger, start_workflow_run
+from bertpipe.jobs.services.interrupts import interrupt_text, reinstall as reinstall_interrupts
+from bertpipe.jobs.services.tracking import RunLogger, start_workflow_run
 from bertpipe.pipeline.framework.identity import describe_tree
 from bertpipe.pipeline.framework.paths import WorkdirPaths
 from bertpipe.pipeline.framework.redact import mask_data
@@ -452,7 +452,7 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
     with console.doing("mlflow: opening the tracking store (a new SQLite store first creates its tables)"):
         run_record.close_left_running(cfg.workdir, resolved_tracking_uri(cfg),
                                       lambda line: console.error(f"note: {line}"))
-        # An empty run name: "<config> #<n> · <date time>" (jobs/tracking.py workflow_run_name).
+        # An empty run name: "<config> #<n> · <date time>" (jobs/services/tracking.py workflow_run_name).
         parent = start_workflow_run(resolved_tracking_uri(cfg), cfg.mlflow.experiment, cfg.mlflow.run_name,
                                     config_as_dict(cfg), {"bertpipe.stages": ",".join(selected),
                                                           "bertpipe.config": name, **code},
@@ -474,7 +474,7 @@ def run(cfg: RootConfig, *, only: list[str] | None = None, start: str | None = N
                     later.inputs[stage_name] = StageInput(stage_name, uri, read_manifest(uri))
         outcome = "succeeded"
     except KeyboardInterrupt:
-        outcome = "killed"  # SIGINT / SIGTERM (jobs/interrupts.py): KILLED, not FAILED
+        outcome = "killed"  # SIGINT / SIGTERM (jobs/services/interrupts.py): KILLED, not FAILED
         raise
     finally:
         # Best effort: the store may be on the disk whose filling failed the stage. A run not closed stays in the

@@ -34,7 +34,7 @@ def worker(cfg, *, model=None, precision: str = "fp32", vocab=h.TOKENS, seed: in
     from bertpipe.jobs.pretrain import engine as engines
     from bertpipe.jobs.pretrain import worker, worker_spec
     from bertpipe.jobs.pretrain.config import ModelConfig
-    from bertpipe.jobs.tracking import RunLogger
+    from bertpipe.jobs.services.tracking import RunLogger
 
     model = model or ModelConfig(preset="tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if precision == "bf16":  # the GPU JSON: resolved_precision is what makes it bf16

@@ -1,11 +1,11 @@
-"""Waiting for a cluster to grow (jobs/capacity.py), on a fake clock: the wait says every 10 s what it waits for
-and what the cluster has, returns as soon as nodes joined, and fails with the shortfall when the wait runs out or
+"""Waiting for a cluster to grow (jobs/services/capacity.py), on a fake clock: the wait says every 10 s what it waits
+for and what the cluster has, returns as soon as nodes joined, and fails with the shortfall when the wait runs out or
 none is configured. The real cluster that grows is in tests/test_multinode.py."""
 from __future__ import annotations
 
 import pytest
 
-from bertpipe.jobs.capacity import Need, wait_for
+from bertpipe.jobs.services.capacity import Need, wait_for
 from bertpipe.jobs.pretrain.config import PretrainConfig
 from bertpipe.jobs.pretrain.stage import resource_need
 

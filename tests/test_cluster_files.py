@@ -15,7 +15,7 @@ import pytest
 
 from bertpipe.jobs.cli import build_parser
 from bertpipe.jobs.config import RootConfig, find_preset, load_config
-from bertpipe.jobs.configtools import ConfigError
+from bertpipe.jobs.services.configtools import ConfigError
 from bertpipe.jobs.pretrain.config import layout_warning
 from test_infra import INFRA, REPO, load
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bertpipe.jobs.config import RootConfig, load_config
-from bertpipe.jobs.configtools import ConfigError, from_dict, stable_hash, to_dict
+from bertpipe.jobs.services.configtools import ConfigError, from_dict, stable_hash, to_dict
 from bertpipe.pipeline.stages.config import PairsConfig
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bertpipe.jobs.config import RootConfig, load_config
-from bertpipe.jobs.configtools import ConfigError
+from bertpipe.jobs.services.configtools import ConfigError
 
 BIN = Path(sys.executable).parent
 

@@ -100,7 +100,7 @@ def test_copy_log_puts_the_log_beside_the_outputs_and_into_the_mlflow_run(tmp_pa
     import mlflow
 
     from bertpipe.jobs import cli
-    from bertpipe.jobs.tracking import last_workflow_run, start_workflow_run
+    from bertpipe.jobs.services.tracking import last_workflow_run, start_workflow_run
 
     for key, value in s3_endpoint.items():
         monkeypatch.setenv(key, value)

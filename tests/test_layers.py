@@ -27,12 +27,7 @@ LAYERS = {
     "bertpipe.jobs.features": "training",
     # What the training jobs share with the workflow: MLflow (and the registered model's loader), config hashing,
     # cluster capacity, signals, failure causes.
-    "bertpipe.jobs.tracking": "services",
-    "bertpipe.jobs.configtools": "services",
-    "bertpipe.jobs.capacity": "services",
-    "bertpipe.jobs.interrupts": "services",
-    "bertpipe.jobs.causes": "services",
-    "bertpipe.jobs.pyfunc_model": "services",
+    "bertpipe.jobs.services": "services",
 }
 
 # Layer -> the other layers it may import (its own modules always).

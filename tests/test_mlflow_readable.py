@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import engine_helpers as eh
-from bertpipe.jobs import tracking
+from bertpipe.jobs.services import tracking
 from bertpipe.jobs.pretrain import loop, resume
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
 

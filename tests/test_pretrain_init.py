@@ -20,7 +20,7 @@ import torch
 
 from bertpipe.jobs import workflow
 from bertpipe.jobs.config import load_config
-from bertpipe.jobs.configtools import ConfigError
+from bertpipe.jobs.services.configtools import ConfigError
 from bertpipe.jobs.pretrain.config import FROM_INIT, ModelConfig
 from bertpipe.jobs.pretrain.init import heads_line, missing_heads
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained

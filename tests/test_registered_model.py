@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from bertpipe.jobs.pretrain.stage import MODEL_DESCRIPTION, register
-from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger
+from bertpipe.jobs.services.tracking import MODEL_ALIAS, RunLogger
 from bertpipe.model import BertConfig, BertForPreTraining, save_pretrained
 from bertpipe.pipeline.formats.tokenizer import tokenizer_files
 from conftest import REPO

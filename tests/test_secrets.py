@@ -111,7 +111,7 @@ def test_run_masks_the_tracking_password_in_header_and_traceback(tmp_path):
 def test_mlflow_params_tags_and_artifacts_are_masked(tmp_path):
     import mlflow
 
-    from bertpipe.jobs.tracking import start_workflow_run
+    from bertpipe.jobs.services.tracking import start_workflow_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = {"mlflow": {"tracking_uri": f"http://alice:{PASSWORD}@mlflow:5000"},

@@ -242,7 +242,7 @@ def test_pretraining_export_carries_the_casing_of_its_shards(tmp_path):
     import pyarrow as pa
 
     from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, data_lowercase, export
-    from bertpipe.jobs.tracking import RunLogger
+    from bertpipe.jobs.services.tracking import RunLogger
     from bertpipe.model import BertConfig, BertForPreTraining
     from bertpipe.pipeline.formats import shards
 

@@ -115,7 +115,7 @@ def test_sigint_releases_the_lock(rundir):
     with silent_server() as tracking:
         first, _ = start_first_run(rundir, "w", tracking)
         code, err = end_with(first, signal.SIGINT)
-    # Stopped before it had a log file: one line, no traceback, 128 + SIGINT (jobs/interrupts.py).
+    # Stopped before it had a log file: one line, no traceback, 128 + SIGINT (jobs/services/interrupts.py).
     assert code == 130 and err.strip() == "bertpipe: interrupted by SIGINT", err
     assert not (rundir / "w" / LOCK).exists()
 

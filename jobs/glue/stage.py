@@ -26,7 +26,7 @@ from bertpipe.jobs.glue.sample import write_sample
 from bertpipe.jobs.glue.tasks import (AX, GLUE_TASKS, HF_GLUE, HF_SPLITS, TASKS, get_task, has_split, parquet_files,
                                      read_task, split_uri, task_format, task_present)
 from bertpipe.jobs.glue.trial import GlueTask
-from bertpipe.jobs.tracking import RunLogger
+from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import failures, fanout, kept
 from bertpipe.jobs.tuning.inputs import check_init, init_uri, read_model_files
 from bertpipe.pipeline.framework import parts, storage

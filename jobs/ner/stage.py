@@ -16,7 +16,7 @@ import time
 
 from bertpipe.jobs.ner.config import NerConfig
 from bertpipe.jobs.ner.trial import NerData, NerTask
-from bertpipe.jobs.tracking import RunLogger
+from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.conll import format_predictions, read_conll
 from bertpipe.jobs.tuning.inputs import check_train_eval, file_checksums, init_uri, read_model_files

@@ -21,7 +21,7 @@ import re
 import time
 from typing import Any
 
-from bertpipe.jobs.configtools import stable_hash, to_dict
+from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.pipeline.framework import storage
 
 IDENTITY_FILE = "identity.json"  # in the run folder: the fields the name hashes, for `changes` to compare

@@ -30,7 +30,7 @@ from bertpipe.jobs.pretrain.streams import micro_batches, open_streams
 from bertpipe.jobs.pretrain.resume import Position
 from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, seed_of, to_device
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
-from bertpipe.jobs.tracking import RunLogger, metric_names
+from bertpipe.jobs.services.tracking import RunLogger, metric_names
 from bertpipe.pipeline.framework import storage
 
 log = logging.getLogger("bertpipe.pretrain")

@@ -20,9 +20,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.jobs.capacity import FIX, Need, ask_autoscaler, release_request, wait_for
-from bertpipe.jobs.configtools import stable_hash, to_dict
-from bertpipe.jobs.interrupts import Interrupted
+from bertpipe.jobs.services.capacity import FIX, Need, ask_autoscaler, release_request, wait_for
+from bertpipe.jobs.services.configtools import stable_hash, to_dict
+from bertpipe.jobs.services.interrupts import Interrupted
 from bertpipe.jobs.pretrain.attempts import AttemptWatch
 from bertpipe.jobs.pretrain import identity
 from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, STATE_FILE, step_of, survey, take_stop_reason
@@ -32,7 +32,7 @@ from bertpipe.jobs.pretrain.loop import train_loop_per_worker
 from bertpipe.jobs.pretrain.masking import COLUMNS
 from bertpipe.jobs.pretrain.meter import NonFiniteError
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
-from bertpipe.jobs.tracking import MODEL_ALIAS, RunLogger, unwrap
+from bertpipe.jobs.services.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import export_of
@@ -277,7 +277,7 @@ beside the weights) and returns float32 [rows, hidden_size]: each row's final hi
 Face folder (config.json, model.safetensors, vocab.txt) is the model's artifact `artifacts/export`.
 """)
 # The pre-training figures that are one value per run: the stage run's summary in MLflow (the series are logged by
-# the workers under jobs/tracking.py's names).
+# the workers under jobs/services/tracking.py's names).
 SUMMARY = ("baseline_mlm_accuracy", "baseline_nsp_accuracy", "nsp_overlap_rule_accuracy", "eval_mlm_over_baseline",
            "eval_nsp_over_baseline")
 
@@ -323,7 +323,7 @@ def log_summary(run: RunLogger, metrics: dict[str, float]) -> None:
 def register(run: RunLogger, export_uri: str, registered_name: str, version_description: str = "",
              version_tags: dict[str, str] | None = None) -> str:
     """The exported model as an MLflow model of the stage's run (its safetensors, config and vocabulary, loaded by
-    code: jobs/pyfunc_model.py), registered under `registered_name` with MODEL_DESCRIPTION, the version's
+    code: jobs/services/pyfunc_model.py), registered under `registered_name` with MODEL_DESCRIPTION, the version's
     description and tags (model_card), and the alias MODEL_ALIAS on the new version."""
     if not (run.active and registered_name):
         return ""

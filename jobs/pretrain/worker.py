@@ -13,7 +13,7 @@ from bertpipe.jobs.pretrain.clock import StepClock
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.masking import MaskingSpec
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
-from bertpipe.jobs.tracking import RunLogger
+from bertpipe.jobs.services.tracking import RunLogger
 
 
 @dataclass

@@ -18,7 +18,7 @@ import time
 from bertpipe.jobs.squad.config import SquadConfig
 from bertpipe.jobs.squad.data import read_squad
 from bertpipe.jobs.squad.trial import SquadData, SquadTask
-from bertpipe.jobs.tracking import RunLogger
+from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.inputs import check_train_eval, file_checksums, init_uri, read_model_files
 from bertpipe.pipeline.framework import parts, storage

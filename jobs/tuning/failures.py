@@ -7,7 +7,7 @@ ask for; so any failure fails the stage, and the finished trials are kept (pipel
 """
 from __future__ import annotations
 
-from bertpipe.jobs.causes import first_line, strip_ansi
+from bertpipe.jobs.services.causes import first_line, strip_ansi
 from bertpipe.pipeline.framework import parts, storage
 from bertpipe.pipeline.framework.stage import StageInputError
 
@@ -24,7 +24,7 @@ class TasksUnreadable(TrialsFailed, StageInputError):
 
 def cause_line(exc: BaseException) -> str:
     """What a trial raised, in one line: the original error out of Ray's wrapper (whose text carries the remote
-    traceback), no colour codes (jobs/causes.py); the whole traceback is in the run's log file."""
+    traceback), no colour codes (jobs/services/causes.py); the whole traceback is in the run's log file."""
     return first_line(exc)
 
 

@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from bertpipe.jobs.tracking import RunLogger
+from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import failures, kept
 from bertpipe.jobs.tuning.inputs import write_model_files
 from bertpipe.jobs.tuning.loop import TrialResult, TrialTask, run_trial

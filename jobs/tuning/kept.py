@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 from typing import Any, TypeVar
 
-from bertpipe.jobs.configtools import stable_hash, to_dict
+from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.pipeline.framework import parts
 from bertpipe.pipeline.framework.stage import SCHEMA_VERSION
 

@@ -24,8 +24,8 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any
 
-from bertpipe.jobs.causes import first_line, from_ray, strip_ansi
-from bertpipe.jobs.configtools import to_dict
+from bertpipe.jobs.services.causes import first_line, from_ray, strip_ansi
+from bertpipe.jobs.services.configtools import to_dict
 from bertpipe.pipeline.framework.redact import mask, mask_data
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for one param value
@@ -204,7 +204,7 @@ class RunLogger:
     def log_export(self, export_dir: str, registered_name: str, hidden_size: int, description: str = "",
                    version_description: str = "", version_tags: dict[str, str] | None = None) -> str:
         """Log an export folder (safetensors + config.json + vocab.txt) as an MLflow model of this run — code
-        (jobs/pyfunc_model.py) plus the folder, no pickle — and register it under `registered_name`: the
+        (jobs/services/pyfunc_model.py) plus the folder, no pickle — and register it under `registered_name`: the
         registered model gets `description` (when it has none: a user's own is kept), the new version
         `version_description` and `version_tags`, and the alias MODEL_ALIAS moves to it. Returns the model URI
         ("" when inactive). The fluent API is the only way MLflow logs models: it is confined here, bound to this
@@ -219,7 +219,7 @@ class RunLogger:
         from mlflow.types.schema import Array, ColSpec, Schema, TensorSpec
 
         # The loader's path without importing it: MLflow runs it while logging (its console chatter captured below).
-        loader = importlib.util.find_spec("bertpipe.jobs.pyfunc_model").origin
+        loader = importlib.util.find_spec("bertpipe.jobs.services.pyfunc_model").origin
 
         signature = ModelSignature(inputs=Schema([ColSpec(Array(DataType.long), "input_ids")]),
                                    outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, hidden_size))]))
