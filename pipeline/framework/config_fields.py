@@ -56,5 +56,5 @@ def _key(section: str, name: str) -> str:
 
 def path_field(default: Any = "") -> Any:
     """A field naming a local path or URI (or a tuple of them). The config loader makes every such field absolute
-    on the driver (`jobs.configtools.resolve_paths`): code on a Ray worker never sees a relative path."""
+    on the driver (`jobs.services.configtools.resolve_paths`): code on a Ray worker never sees a relative path."""
     return field(default=default, metadata={"path": True})
