@@ -93,6 +93,17 @@ def test_project_is_imported_only_as_bertpipe():
     assert not bare, bare
 
 
+def test_every_package_folder_is_installed():
+    """A wheel (the cluster image, `pip install .`) holds only the packages pyproject.toml lists: a new folder missing
+    there imports in the editable checkout and fails on the cluster."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(("bertpipe",) + init.parent.relative_to(REPO).parts)
+               for top in ("pipeline", "model", "jobs") for init in (REPO / top).rglob("__init__.py")}
+    assert folders == listed, (sorted(folders - listed), sorted(listed - folders))
+
+
 def test_ruff_reports_nothing():
     """Line length and pyflakes (unused imports and variables, undefined names...) as configured in pyproject.toml;
     --no-cache: no .ruff_cache written into the working tree."""
