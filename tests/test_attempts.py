@@ -144,5 +144,8 @@ def test_the_progress_line_shows_no_eta_while_the_work_cannot_know_one():
     assert shown.eta() is not None and "ETA" in shown.line()
     shown.set(37, eta_unknown=True, doing="a worker node (10.0.0.3, 1 CPUs) was lost at step 37: restarting")
     assert shown.eta() is None and "ETA" not in shown.line() and "so far" in shown.line()
-    shown.set(40, eta_unknown=False)
+    assert "steps/s" not in shown.line()  # nor a rate that only falls while no step is taken
+    shown.set(30, eta_unknown=False)  # the new attempt resumed from step 30: its rate is measured from there
+    assert shown.first[1] == 30 and "steps/s" in shown.line()
+    shown.set(40)
     assert shown.eta() is not None

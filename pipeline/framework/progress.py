@@ -65,8 +65,8 @@ class Progress:
             self.fields["status"] = status
             self._say(status)
         self.fields.update(fields)
-        if self.first is None and count > 0:
-            self.first = (time.perf_counter(), count)
+        if (self.first is None and count > 0) or count < self.count:  # back to an earlier count: a restart, whose
+            self.first = (time.perf_counter(), count)                  # rate is measured from where it resumed
         if self.bar is not None:
             self.bar.update(count - self.count)
             self.bar.set_postfix_str(self.describe_all(), refresh=False)
@@ -106,8 +106,10 @@ class Progress:
         rate = self.rate()
         done_text = f"{self.count:,.0f}" + (f"/{self.total:,.0f} ({100 * self.count / self.total:.0f}%)"
                                              if self.total else "")
+        # No rate while the work says it cannot know its ETA (restarting after a failure): no steps pass meanwhile.
+        show_rate = self.count and (done or not self.fields.get("eta_unknown"))
         parts = [f"{self.desc}: {done_text} {self.unit}", "" if done else self.fields.get("doing") or "",
-                 self.describe(self.fields), f"{rate:,.1f} {self.unit}/s" if self.count else ""]
+                 self.describe(self.fields), f"{rate:,.1f} {self.unit}/s" if show_rate else ""]
         eta = None if done else self.eta()
         if done:
             parts.append(f"done in {_duration(elapsed)}")
