@@ -52,14 +52,18 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="work here and keep it (default: a temporary folder)")
     args = parser.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="compare-losses-"))
-    common = ["--config", "configs/tiny.yaml", "--set", "mlflow.tracking_uri=off", "--set", "ray.dashboard=false"]
+    common = ["--set", "mlflow.tracking_uri=off", "--set", "ray.dashboard=false"]
     data = root / "data"
-    bertpipe(None, "run", *common, "--only", "clean,vocab,pairs", "--set", f"workdir={data}")
+    bertpipe(None, "run", "--config", "configs/tiny.yaml", *common, "--only", "clean,vocab,pairs",
+             "--set", f"workdir={data}")
     overrides = ["--set", f"pretrain.input={data / 'pairs'}", "--set", f"vocab.path={data / 'vocab' / 'vocab.txt'}",
                  "--set", f"pretrain.max_steps={args.steps}", "--set", "pretrain.log_every_steps=1"]
-    sides = {"this": (None, root / "this"), "ref": (shim(args.ref.resolve(), root / "shim"), root / "ref")}
-    for env, workdir in sides.values():
-        bertpipe(env, "run", *common, "--only", "pretrain", *overrides, "--set", f"workdir={workdir}")
+    # Each side with its own tiny.yaml: the sections' names may differ between commits, not their training settings.
+    sides = {"this": (None, root / "this", REPO),
+             "ref": (shim(args.ref.resolve(), root / "shim"), root / "ref", args.ref.resolve())}
+    for env, workdir, tree in sides.values():
+        bertpipe(env, "run", "--config", str(tree / "configs" / "tiny.yaml"), *common, "--only", "pretrain",
+                 *overrides, "--set", f"workdir={workdir}")
     this, ref = history(sides["this"][1]), history(sides["ref"][1])
     print(f"| step | {' | '.join(f'{k} this | {k} ref' for k in SHOWN)} | equal |")
     print("|---|" + "---|" * (2 * len(SHOWN) + 1))
