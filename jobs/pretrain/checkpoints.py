@@ -26,26 +26,35 @@ STATE_FILE = "position.json"
 EXPORT_FILES = ("config.json", "model.safetensors", "vocab.txt", TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 
 
-def _complete(ckpt: str, cfg: PretrainConfig) -> bool:
-    """Every rank's DeepSpeed files are there and whole (a crash mid-save leaves a folder without some, or with one
-    cut short), and so is the position. Every rank of the layout the checkpoint was taken with (its position.json;
-    one without a layout: this config's)."""
-    state = _state(ckpt)
-    if state is None or "step" not in state:
-        return False
+def _complete_step(ckpt: str, cfg: PretrainConfig) -> int | None:
+    """The checkpoint's step if it is complete, else None: every rank's DeepSpeed files are there and whole (a crash
+    mid-save leaves a folder without some, or with one cut short), and so is the position. Every rank of the layout
+    the checkpoint was taken with (its position.json; one without a layout: this config's)."""
+    state = state_of(ckpt)
+    step = _step(state)
+    if step is None:
+        return None
     layout = state.get("layout") or {"num_workers": cfg.num_workers, "zero_stage": cfg.zero_stage}
     if layout["zero_stage"] == 0:
         needed = ["mp_rank_00_model_states.pt"]
     else:
         needed = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(layout["num_workers"])]
-    return all(_whole(storage.join(ckpt, CKPT_TAG, n)) for n in needed)
+    return step if all(_whole(storage.join(ckpt, CKPT_TAG, n)) for n in needed) else None
 
 
-def _state(ckpt: str) -> dict | None:
+def state_of(ckpt: str) -> dict | None:
+    """A checkpoint's position.json (resume.Position's fields, its layout, the curves so far); None if unreadable."""
     try:
         state = json.loads(storage.read_text(storage.join(ckpt, STATE_FILE)))
         return state if isinstance(state, dict) else None
     except (OSError, ValueError):
+        return None
+
+
+def _step(state: dict | None) -> int | None:
+    try:
+        return int(state["step"]) if state is not None else None
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -62,10 +71,7 @@ def _whole(uri: str) -> bool:
 
 
 def step_of(ckpt: str) -> int | None:
-    try:
-        return int(json.loads(storage.read_text(storage.join(ckpt, STATE_FILE)))["step"])
-    except (OSError, ValueError, KeyError):
-        return None
+    return _step(state_of(ckpt))
 
 
 def latest_checkpoint(storage_path: str, name: str, cfg: PretrainConfig) -> str | None:
@@ -88,12 +94,12 @@ def survey(storage_path: str, name: str, cfg: PretrainConfig) -> tuple[str | Non
     best: tuple[int, str] | None = None
     for base in found:
         ckpt = storage.join(run_dir, base)
-        step = step_of(ckpt) if _complete(ckpt, cfg) else None
+        step = _complete_step(ckpt, cfg)
         if step is not None and (best is None or step > best[0]):
             best = (step, ckpt)
     torn = [storage.join(run_dir, b) for b in found
             if best is None or b > posixpath.basename(best[1])]
-    return (best[1] if best else None), [t for t in torn if not _complete(t, cfg)]
+    return (best[1] if best else None), [t for t in torn if _complete_step(t, cfg) is None]
 
 
 def newer(a: str | None, b: str | None) -> str | None:

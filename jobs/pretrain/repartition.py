@@ -37,7 +37,7 @@ log = logging.getLogger("bertpipe.pretrain")
 UNIVERSAL_SUFFIX = "_universal"
 
 
-def universal_folder(checkpoint_dir: str, state_bytes: bytes) -> str:
+def universal_folder(state_bytes: bytes) -> str:
     """Where a node converts a checkpoint: named by its position.json, the same bytes for every rank whichever
     folder it downloaded the checkpoint to."""
     key = hashlib.sha256(state_bytes).hexdigest()[:16]
@@ -75,7 +75,7 @@ def convert(checkpoint_dir: str, tag: str, out_root: str) -> str:
 def load(engine: Any, checkpoint_dir: str, tag: str, state_bytes: bytes, local_rank: int) -> None:
     """Load `checkpoint_dir/tag` (taken on another number of workers) into `engine`, every rank at once:
     weights, optimizer state re-partitioned, LR scheduler, step."""
-    out_root = universal_folder(checkpoint_dir, state_bytes)
+    out_root = universal_folder(state_bytes)
     if local_rank == 0:
         took = convert(checkpoint_dir, tag, out_root)
         log.info("checkpoint %s converted to DeepSpeed's universal layout in %s", checkpoint_dir, took)

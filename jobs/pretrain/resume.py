@@ -70,6 +70,12 @@ def position_of(state: dict[str, Any], then: dict[str, Any]) -> Position:
     return position
 
 
+def skips_whole_batches(position: Position, dealt: int, micro: int) -> bool:
+    """The epoch in progress goes on by skipping the micro-batches trained (it is read in the size it was dealt in,
+    `dealt`, which is the size now, `micro`); otherwise its rest is re-cut (recut)."""
+    return dealt == micro and position.sequences % micro == 0
+
+
 def repartition_needed(then: dict[str, Any] | None, now: dict[str, Any]) -> bool:
     """ZeRO 1-3 partition the optimizer state by worker count: another one needs it re-partitioned."""
     return bool(then) and then["num_workers"] != now["num_workers"] and now["zero_stage"] >= 1
@@ -101,7 +107,7 @@ def plan(position: Position, then: dict[str, Any] | None, now: dict[str, Any], c
             f"{exact} carry over exactly; the data does not: another worker count deals an epoch's rows anew, so "
             f"the rest of {where} ({left:,} sequences not trained yet) is left out and training goes on with the "
             "next epoch (no sequence of this one trained twice)"))
-    if dealt == micro and position.sequences % micro == 0:
+    if skips_whole_batches(position, dealt, micro):
         return Resume(position, repartition, 0, 0, f"{exact} carry over exactly, and so does the data position")
     return Resume(position, repartition, 0, micro, (
         f"{exact} carry over exactly, and so does the data position: the rest of {where} is the sequences not "

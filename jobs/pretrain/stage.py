@@ -25,7 +25,7 @@ from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.jobs.services.interrupts import Interrupted
 from bertpipe.jobs.pretrain.attempts import AttemptWatch
 from bertpipe.jobs.pretrain import identity
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, STATE_FILE, step_of, survey, take_stop_reason
+from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, state_of, step_of, survey, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import train_loop_per_worker
@@ -156,7 +156,7 @@ def start_record(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name
     record: dict[str, Any] = {"at": time.time(), "started_from": f"the weights of {cfg.init}" if cfg.init
                               else "random initialisation", "layout_now": now}
     if resume:
-        state = json.loads(storage.read_text(storage.join(resume, STATE_FILE)))
+        state = state_of(resume)  # a complete checkpoint (survey): its position.json was read whole
         then, step = state.get("layout"), int(state["step"])
         identity.check_layout(then, now, step)
         goes_on = plan(position_of(state, then or now), then, now, cfg, rows)

@@ -51,7 +51,7 @@ def micro_batches(w: Worker, position: Position, batches=None) -> Iterator[tuple
         it = itertools.chain([ahead[0]] if ahead[0] is not None else [], ahead[1])
     else:
         it = iter(batches) if batches is not None else epoch_batches(w, phase_index, epoch, dealt)
-    if dealt == micro and position.sequences % micro == 0:
+    if resume.skips_whole_batches(position, dealt, micro):
         skip, first = position.sequences // micro, 0
     else:
         log.info("the epoch in progress goes on re-cut: %d sequences trained, micro-batches of %d from here",

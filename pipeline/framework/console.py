@@ -47,7 +47,7 @@ class Console:
         self._last_line = clock()
         self._muted = False  # a failed run cleaning up: no progress line, status or heartbeat
         self._hooks: tuple | None = None  # (sys.unraisablehook, threading.excepthook) while ending quietly
-        self._boards: dict[tuple[str, str], Any] = {}  # (job id, driver's node) -> the progress board
+        self._board: tuple[tuple[str, str], Any] | None = None  # ((job id, driver's node), the progress board)
         self._stop = threading.Event()
         if live:
             self.go_live()
@@ -138,9 +138,9 @@ class Console:
 
         context = ray.get_runtime_context()
         job = (context.get_job_id(), context.get_node_id())  # job ids restart at 01000000 in every new local Ray
-        if job not in self._boards:
-            self._boards = {job: new_board(job[0])}
-        return self._boards[job]
+        if self._board is None or self._board[0] != job:
+            self._board = (job, new_board(job[0]))
+        return self._board[1]
 
     def push(self, activity: Any) -> None:
         if self.live:
