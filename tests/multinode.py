@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -21,34 +22,37 @@ class MultiNodeRay:
         self.address = ""
 
     def __enter__(self) -> "MultiNodeRay":
-        cmd = [sys.executable, str(HERE / "ray_rig.py"), "--head-cpus", str(self.head_cpus)]
+        # The rig answers on a pipe of its own: its stdout is shared with the Ray processes it starts, whose output
+        # can land in the middle of an answer's line.
+        answers_r, answers_w = os.pipe()
+        cmd = [sys.executable, str(HERE / "ray_rig.py"), "--head-cpus", str(self.head_cpus),
+               "--answer-fd", str(answers_w)]
         for cpus in self.node_cpus:
             cmd += ["--node-cpus", str(cpus)]
         # Ray's settings of the test process (a token another test's cluster set, an address) are not the rig's:
         # the rig and the `bertpipe` it serves both read the user's own token, as the CLI tests run it.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True,
+                                     pass_fds=(answers_w,))
+        os.close(answers_w)
+        self._answers: queue.Queue[dict] = queue.Queue()
+        threading.Thread(target=self._read_answers, args=(os.fdopen(answers_r),), daemon=True).start()
         started = self._answer(self.start_timeout_s)
         self.address, self.nodes = started["address"], started["nodes"]
         return self
 
+    def _read_answers(self, answers) -> None:
+        with answers:
+            for line in answers:
+                self._answers.put(json.loads(line))
+
     def _answer(self, timeout_s: float) -> dict:
-        """The rig's next JSON line (its other output, Ray's, is not JSON)."""
-        result: list[dict] = []
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                if line.startswith("{"):
-                    result.append(json.loads(line))
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not result:
+        """The rig's next answer."""
+        try:
+            return self._answers.get(timeout=timeout_s)
+        except queue.Empty:
             raise RuntimeError(f"the Ray rig did not answer in {timeout_s:.0f} s (exit code {self.proc.poll()})")
-        return result[0]
 
     def command(self, line: str, timeout_s: float = 120) -> dict:
         self.proc.stdin.write(line + "\n")

@@ -1,14 +1,15 @@
 """A multi-node Ray cluster on one host, in a process of its own (tests/multinode.py drives it): Ray's
 `ray.cluster_utils.Cluster`, a head and worker nodes, each a real raylet with its own resources.
 
-    python tests/ray_rig.py --head-cpus 1 --node-cpus 2 --node-cpus 2
+    python tests/ray_rig.py --head-cpus 1 --node-cpus 2 --node-cpus 2 --answer-fd 1
 
-prints one JSON line {"address": ..., "nodes": [node ids]} once every node is up, then takes commands on stdin,
-one per line, answering each with one JSON line:
+writes one JSON line {"address": ..., "nodes": [node ids]} to the answer file descriptor once every node is up,
+then takes commands on stdin, one per line, answering each with one JSON line there:
     add <cpus>          a worker node joins (as an autoscaler would add one)            -> {"added": node id}
     kill-train-node     kill -9 of the raylet of a worker node that hosts a Ray Train worker
                         (remove_node(..., allow_graceful=False))                         -> {"killed": node id}
     kill-busy-node      the same for a worker node with CPUs in use (a task runs there)  -> {"killed": node id}
+    busy                the worker nodes with CPUs in use                                -> {"busy": [...]}
     nodes               the alive nodes                                                  -> {"alive": [...]}
     quit                every node stops                                                 -> {"stopped": true}
 In its own process so that the tests' session Ray never sees it, and Ray's processes all end with it.
@@ -17,19 +18,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+_answers = sys.stdout
+
 
 def say(obj: dict) -> None:
-    print(json.dumps(obj), flush=True)
+    _answers.write(json.dumps(obj) + "\n")
+    _answers.flush()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-cpus", type=float, default=1)
     ap.add_argument("--node-cpus", type=float, action="append", default=[])
+    ap.add_argument("--answer-fd", type=int, default=1)
     args = ap.parse_args()
+    global _answers
+    if args.answer_fd != 1:
+        os.set_inheritable(args.answer_fd, False)  # Ray's processes must not hold the answer pipe open
+        _answers = os.fdopen(args.answer_fd, "w")
     import ray
     from ray.cluster_utils import Cluster
 
