@@ -306,13 +306,11 @@ def test_submit_follows_the_job_to_its_end_like_ray_job_submit(cluster, tmp_path
 @pytest.mark.integration
 def test_submit_no_wait_returns_at_once_with_the_commands_that_follow_the_job(cluster, tmp_path):
     env = cluster["env"]
-    t0 = time.monotonic()
     out = bertpipe("submit", "--no-wait", "--address", cluster["dashboard"], "--", "--version", env=env,
                    cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     job = re.search(r"^job:\s+(\S+)$", out.stdout, re.M).group(1)
     assert "following" not in out.stdout and "SUCCEEDED" not in out.stdout
-    assert time.monotonic() - t0 < 60
     shown = dict(re.findall(r"^(follow|status|stop):\s+(.+)$", out.stdout, re.M))
     address = ["--address", cluster["dashboard"]]
     assert shlex.split(shown["follow"]) == ["bertpipe", "jobs", "logs", "--follow", job, *address]
