@@ -54,7 +54,7 @@ def header(console: Console, cfg, config_name: str, tracking_uri: str, selected:
         console.say(f"  mlflow    {tracking_uri}")
     elif storage.is_remote(cfg.workdir) and cfg.mlflow.tracking_uri != "off":
         console.say("  mlflow    OFF: the workdir is remote, so there is no local store to default to; "
-            "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server to track this run")
+                    "set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server to track this run")
     else:
         console.say("  mlflow    off")
     if log_path:  # a remote workdir's run logs on this machine, and copies its log there when it ends

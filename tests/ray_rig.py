@@ -22,12 +22,21 @@ import os
 import sys
 import time
 
-_answers = sys.stdout
 
+def answer_channel(fd: int):
+    """Where answers go, one JSON line each: stdout (fd 1), or a pipe of the caller's that Ray's processes, which
+    share the rig's stdout, never write into."""
+    if fd == 1:
+        out = sys.stdout
+    else:
+        os.set_inheritable(fd, False)  # Ray's processes must not hold the answer pipe open
+        out = os.fdopen(fd, "w")
 
-def say(obj: dict) -> None:
-    _answers.write(json.dumps(obj) + "\n")
-    _answers.flush()
+    def say(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    return say
 
 
 def main() -> None:
@@ -36,10 +45,7 @@ def main() -> None:
     ap.add_argument("--node-cpus", type=float, action="append", default=[])
     ap.add_argument("--answer-fd", type=int, default=1)
     args = ap.parse_args()
-    global _answers
-    if args.answer_fd != 1:
-        os.set_inheritable(args.answer_fd, False)  # Ray's processes must not hold the answer pipe open
-        _answers = os.fdopen(args.answer_fd, "w")
+    say = answer_channel(args.answer_fd)
     import ray
     from ray.cluster_utils import Cluster
 

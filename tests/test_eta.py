@@ -117,7 +117,7 @@ def test_a_million_steps_cost_no_time_to_estimate():
 def test_progress_prefers_the_work_s_own_estimate(monkeypatch):
     """The workers' estimate, made 5 s ago, less those 5 s; nothing is added for what no one measured."""
     monkeypatch.setattr(progress.time, "time", lambda: 1_000.0)  # the wall clock the workers stamp `eta_at` with
-    shown = progress.Progress(Console(), "pretrain", 40, "steps")
+    shown = Console().progress("pretrain", 40, "steps")
     shown.set(10, eta_s=20.0, eta_at=995.0)
     assert shown.eta() == 15.0
     assert "ETA 0:00:1" in shown.line()
