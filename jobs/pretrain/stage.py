@@ -51,7 +51,8 @@ def wait_for_capacity(cfg: PretrainConfig, wait_s: float, console: Console) -> N
     """Until the cluster can hold the workers and a data CPU: at once, after nodes joined, or ValueError."""
     import ray
 
-    waited = wait_for(resource_need(cfg), wait_s, ray.cluster_resources, console.tell, ask=ask_autoscaler)
+    waited = wait_for(resource_need(cfg), wait_s, ray.cluster_resources, lambda line: console.tell(line, log),
+                      ask=ask_autoscaler)
     if waited:
         log.info("pretrain: started after waiting %.0f s for the cluster to grow", waited)
         release_request()
@@ -64,7 +65,7 @@ def resume_point(storage_path: str, run_name: str, cfg: PretrainConfig, console:
     if torn:
         console.tell(f"pretrain: the newest checkpoint is incomplete (a crash while saving: a rank's file missing or "
                      f"cut short: {torn[-1]}); resuming from "
-                     + (f"the step-{step_of(resume)} checkpoint" if resume else "step 0"))
+                     + (f"the step-{step_of(resume)} checkpoint" if resume else "step 0"), log)
     return resume
 
 
@@ -189,7 +190,7 @@ def announce_start(ctx: StageContext, cfg: PretrainConfig, storage_path: str, na
     """One line on what training starts from (start_record), the same in MLflow's tags and the run folder's
     identity record; returns the record (the stage's manifest keeps it too)."""
     record = start_record(ctx, cfg, storage_path, name, resume, rows or {})
-    ctx.console.tell(identity.describe_start(record))
+    ctx.console.tell(identity.describe_start(record), log)
     run.set_tags(start_tags(record))
     identity.record(storage_path, name, run_identity(ctx), start=record)
     return record
@@ -397,7 +398,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     if cfg.init:  # what the checkpoint lacks, in one line (the workers load it before DeepSpeed wraps the model)
         from bertpipe.jobs.pretrain.init import heads_line
 
-        ctx.console.tell(heads_line(cfg.init, init_heads(ctx)))
+        ctx.console.tell(heads_line(cfg.init, init_heads(ctx)), log)
     datasets, spec = _datasets(ctx.input("pairs").uri, spec)
     ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.num_workers)
     storage.write_text_atomic(storage.join(ctx.output_uri, "deepspeed_config.json"),

@@ -79,9 +79,10 @@ class Console:
         print(f"bertpipe: {mask(text)}", file=sys.stderr, flush=True)
         self.printed()
 
-    def tell(self, text: str) -> None:
-        """A line for the user now, on a live console, and always in the run's log."""
-        log.info("%s", text)
+    def tell(self, text: str, logger: logging.Logger) -> None:
+        """A line for the user now, on a live console, and always in the run's log under the caller's `logger` (a
+        stage's lines keep the stage's name there, for whoever filters the log by it)."""
+        logger.info("%s", text)
         self.emit(f"  {text}")
 
     def emit(self, text: str) -> None:
