@@ -4,11 +4,12 @@ Resolution order: dataclass defaults < YAML preset (`--config`) < `--set key.sub
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from bertpipe.jobs.services.configtools import (ConfigError, apply_overrides, from_dict, load_yaml, resolve_paths,
                                                 to_dict)
@@ -33,13 +34,36 @@ class RayConfig:
     # The local Ray's dashboard, on 127.0.0.1 (its URL is printed): jobs, Ray Data and Ray Train pages.
     dashboard: bool = True
     # Seconds a stage that needs more CPUs/GPUs than the cluster has waits for nodes to join (an autoscaler adding
-    # them, KubeRay scaling a worker group up from zero; the infra/ files set it). 0 = refuse at once: a fixed
-    # cluster that lacks them never gets them.
-    wait_for_resources_s: float = 0.0
+    # them, KubeRay scaling a worker group up from zero). 0 = refuse at once. Unset (null): CLUSTER_WAIT_S when the
+    # run connects to a cluster (ray.address, RAY_ADDRESS: `bertpipe submit`'s jobs too), 0 for the local Ray a run
+    # starts, whose size never changes; load_config resolves it (`resolved_wait_s`), so stages see a number.
+    wait_for_resources_s: float | None = None
 
     def __post_init__(self) -> None:
         at_least("ray", self, 1, "num_cpus")
-        at_least("ray", self, 0, "wait_for_resources_s")
+        if self.wait_for_resources_s is not None:
+            at_least("ray", self, 0, "wait_for_resources_s")
+
+
+# What an unset ray.wait_for_resources_s waits on a cluster: an autoscaler adding a GPU node (a cloud VM, a pod
+# pulling the image) takes minutes, and a run refused for want of nodes that were on their way has to be resubmitted
+# by hand. On a fixed cluster the wait costs at most this long before the same refusal.
+CLUSTER_WAIT_S = 900.0
+
+
+def connects_to_cluster(ray: RayConfig, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a run with this section joins an existing Ray (jobs/cluster.py ensure_ray's rule: ray.address, else
+    RAY_ADDRESS, which Ray also sets for the driver of a submitted job) rather than starting a local one."""
+    environ = os.environ if environ is None else environ
+    return bool(ray.address or environ.get("RAY_ADDRESS"))
+
+
+def resolved_wait_s(ray: RayConfig, environ: Mapping[str, str] | None = None) -> float:
+    """ray.wait_for_resources_s as the run uses it: the value given, else CLUSTER_WAIT_S on a cluster and 0 (refuse
+    at once) for a local Ray."""
+    if ray.wait_for_resources_s is not None:
+        return float(ray.wait_for_resources_s)
+    return CLUSTER_WAIT_S if connects_to_cluster(ray, environ) else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +102,8 @@ class RootConfig:
             raise ValueError(f"model.preset {FROM_INIT} takes the shape of pretrain.init, which is not set")
 
 
+# The presets: configs/ of a checkout, or bertpipe/configs/ of an installed wheel (pyproject's package data) or of a
+# job's staged code (jobs/submit.py): beside jobs/ in all three, so one rule finds them without the checkout.
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # Config sections renamed, old name -> new: the old name still loads (in a file or a --set), with a warning naming
 # the new one. `finetune` was GLUE's alone, while SQuAD and NER fine-tune too.
@@ -120,6 +146,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     except ValueError as exc:  # a __post_init__ check: the same one-line user error
         raise ConfigError(str(exc)) from None
     cfg = resolve_paths(cfg, base or os.getcwd())
+    # Once, here on the driver: every stage (and the workers they start) reads the same number.
+    cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, wait_for_resources_s=resolved_wait_s(cfg.ray)))
     if cfg.pretrain.init:
         from bertpipe.jobs.pretrain.init import apply
 

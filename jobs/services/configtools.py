@@ -32,13 +32,15 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(annotation, value, where)
     if origin in (typing.Union, types.UnionType):
-        for arg in args:
-            if arg is type(None) and value is None:
-                return None
+        if value is None and type(None) in args:
+            return None
+        kinds = [arg for arg in args if arg is not type(None)]  # a value that is not None must be one of these
+        for arg in kinds:
             try:
                 return _coerce(value, arg, where)
             except ConfigError:
-                continue
+                if len(kinds) == 1:  # `float | None`: the float's own reason (nan, inf, not a number)
+                    raise
         raise ConfigError(f"{where}: {value!r} matches none of {annotation}")
     if origin is typing.Literal:
         if value not in args:
