@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from bertpipe.jobs.pretrain.masking import MaskingSpec, pad_batch
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec, pad_batch
 from bertpipe.model import BertForPreTraining, load_pretrained, save_pretrained
 
 

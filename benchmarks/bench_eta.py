@@ -5,10 +5,10 @@
 Runs the workflow's data stages (skipped where fresh; they need the sample `make run` fetches), then the pretrain
 stage again (`--only pretrain --force`), reading the console as it comes. Every ETA the progress line reported (each
 one is in the run's log file with its time) is set against the seconds the stage had left until its `pretrain done`
-line. The ETA prices only what the run measured (jobs/pretrain/eta.py): what follows the workers' last checkpoint
-(Ray Train stopping them, the curves, the registration) is in the truth and not in the estimate. Prints one row per
-report from `--from-step` on, and the median and worst error. The arithmetic itself is tested with
-a fake clock (tests/test_eta.py); how good its measurements are depends on the machine, which is this script's job.
+line. The ETA prices only what the run measured (jobs/pretrain/metrics/eta.py): what follows the workers' last
+checkpoint (Ray Train stopping them, the curves, the registration) is in the truth and not in the estimate. Prints
+one row per report from `--from-step` on, and the median and worst error. The arithmetic itself is tested with a fake
+clock (tests/test_eta.py); how good its measurements are depends on the machine, which is this script's job.
 """
 from __future__ import annotations
 

@@ -45,8 +45,8 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
     import torch
 
     from bertpipe.jobs.pretrain import worker
-    from bertpipe.jobs.pretrain.length_binning import length_binned
-    from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.length_binning import length_binned
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
     raws = list(host_batches(table, micro))
@@ -69,8 +69,8 @@ def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
     import torch
 
     from bertpipe.jobs.pretrain import worker
-    from bertpipe.jobs.pretrain.length_binning import length_binned
-    from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.length_binning import length_binned
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
     from bertpipe.pipeline.framework.ray_reads import read_parquet
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)

@@ -51,11 +51,11 @@ def timed_all_reduce(log: list[float]):
 def engine_for(optimizer_name: str, preset: str, micro: int):
     import deepspeed
 
-    from bertpipe.jobs.pretrain import optim
+    from bertpipe.jobs.pretrain.engine import optim
     from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
-    from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
-    from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
-    from bertpipe.jobs.pretrain.engine import skip_inference_comm_op
+    from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
+    from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
+    from bertpipe.jobs.pretrain.engine.build import skip_inference_comm_op
     from bertpipe.model import BertConfig, BertForPreTraining
 
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def engine_for(optimizer_name: str, preset: str, micro: int):
 def worker(rank: int, port: int, name: str, args, out: str) -> None:
     import torch.distributed as dist
 
-    from bertpipe.jobs.pretrain import optim
+    from bertpipe.jobs.pretrain.engine import optim
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")

@@ -2,7 +2,7 @@
 
 Builds clean → vocab → pairs from the real enwiki sample (the tiny preset's data settings: dupe_factor 2, both
 sequence lengths) unless `--pairs DIR` names a committed pairs folder, then, per sequence length, cuts the train
-rows into micro-batches in shard order (a) as they come and (b) length-binned (`jobs/pretrain/length_binning.py`,
+rows into micro-batches in shard order (a) as they come and (b) length-binned (`jobs/pretrain/data/length_binning.py`,
 the pre-training default window), and reports the share of padded slots and the time of forward + backward + AdamW
 on the same rows, the two sides interleaved batch by batch so a busy spell on the machine hits both.
 
@@ -75,8 +75,8 @@ def main() -> None:
 
     import torch
 
-    from bertpipe.jobs.pretrain.length_binning import length_binned, padding_fraction, row_lengths
-    from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.length_binning import length_binned, padding_fraction, row_lengths
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
     from bertpipe.jobs.pretrain.config import PretrainConfig
     from bertpipe.model import BertConfig, BertForPreTraining
 

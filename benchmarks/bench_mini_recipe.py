@@ -1,5 +1,5 @@
 """Which `mini` recipe learns fastest per CPU-second? A single-process stand-in for the pretrain stage on its real
-shards: the same model code, masking (jobs/pretrain/masking.py), parameter groups, AdamW, clipping and warmup/decay
+shards: the same model code, masking (jobs/pretrain/data/masking.py), parameter groups, AdamW, clipping and warmup/decay
 schedule, without Ray or DeepSpeed, so several recipes can run side by side on one core each. It prints held-out
 MLM accuracy (token-level masks, fixed seed, as the stage's final evaluation) over the most-frequent-token
 baseline and held-out NSP accuracy every --eval-every steps.
@@ -28,8 +28,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from bertpipe.jobs.pretrain.baselines import baselines
-from bertpipe.jobs.pretrain.masking import MaskingSpec, collate
+from bertpipe.jobs.pretrain.learning.baselines import baselines
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec, collate
 from bertpipe.model import BertForPreTraining
 from bertpipe.model.config import BertConfig
 from bertpipe.model.training import param_groups, warmup_decay

@@ -5,7 +5,7 @@ content pieces (the 100 commonest training pieces and the specials left out) tha
 threshold that classifies the *training* rows best (low overlap = NotNext), then score the held-out rows with it.
 Random NotNext segments come from another article, so this is the shortcut a small model could find first. The
 pretrain stage writes the same figure for its final sequence length (`nsp_overlap_rule_accuracy`,
-jobs/pretrain/baselines.py); this script gives it for every sequence length, with the overlap of each class.
+jobs/pretrain/learning/baselines.py); this script gives it for every sequence length, with the overlap of each class.
 
     .venv/bin/python benchmarks/bench_nsp_ceiling.py --pairs work/mini/pairs --vocab work/mini/vocab/vocab.txt
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bertpipe.jobs.pretrain.baselines import best_threshold, content_overlap, rule_stopwords, token_counts
-from bertpipe.jobs.pretrain.masking import MaskingSpec
+from bertpipe.jobs.pretrain.learning.baselines import best_threshold, content_overlap, rule_stopwords, token_counts
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec
 
 ALL_ROWS = 1 << 40
 

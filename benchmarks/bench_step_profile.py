@@ -53,13 +53,13 @@ def build(zero: int, optimizer: str, precision: str):
         return eh.worker(cfg, model=model, vocab=vocab, precision=precision), True
     import deepspeed
 
-    from bertpipe.jobs.pretrain import deepspeed_config as dsc
-    from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+    from bertpipe.jobs.pretrain.engine import deepspeed_config as dsc
+    from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 
     if precision == "bf16":  # the reference's GPU JSON (bf16 with DeepSpeed's overflow check), built on the CPU
         dsc.resolved_precision = lambda c: "bf16"
-    from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
-    from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
+    from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
+    from bertpipe.jobs.pretrain.engine.optim import make_optimizer, make_scheduler
 
     net = loop.build_model(model, len(vocab), 7)
     engine, _, _, scheduler = deepspeed.initialize(
@@ -82,7 +82,7 @@ def _current() -> bool:
 
 def micro_step(w, meter, raw, index, new_api, boundary_timer):
     """What loop.run_epoch does for one micro-batch, with engine.step() at a boundary timed apart."""
-    from bertpipe.jobs.pretrain.masking import batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
 
     if _current():
         from bertpipe.jobs.pretrain import worker as helpers
@@ -115,7 +115,7 @@ def profile(zero: int, optimizer: str, steps: int, precision: str) -> dict:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     import engine_helpers as eh
-    from bertpipe.jobs.pretrain.meter import Meter
+    from bertpipe.jobs.pretrain.metrics.meter import Meter
 
     with eh.process_group():
         w, new_api = build(zero, optimizer, precision)

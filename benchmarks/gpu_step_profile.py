@@ -31,7 +31,7 @@ def build(zero: int, optimizer: str, micro: int, accum: int, seq: int, preset: s
 
     import pretrain_helpers as h
     from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
-    from bertpipe.jobs.pretrain.engine import build_engine
+    from bertpipe.jobs.pretrain.engine.build import build_engine
     from bertpipe.jobs.pretrain.worker import Worker
     from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
     from bertpipe.jobs.services.tracking import RunLogger
@@ -58,7 +58,7 @@ def micro_step(w, meter, raw, index):
     import time as _t
 
     from bertpipe.jobs.pretrain import loop
-    from bertpipe.jobs.pretrain.masking import batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
     from bertpipe.jobs.pretrain.worker import masking_spec, to_device
 
     started = _t.perf_counter()
@@ -91,7 +91,7 @@ def profile_config(zero: int, optimizer: str, micro: int, accum: int, args) -> d
 
     import engine_helpers as eh
     import gpu_model_bench as g
-    from bertpipe.jobs.pretrain.meter import Meter
+    from bertpipe.jobs.pretrain.metrics.meter import Meter
     from bertpipe.model import BertConfig
 
     started = time.perf_counter()

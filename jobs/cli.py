@@ -279,7 +279,7 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
 
 def cmd_status(args) -> int:
     from bertpipe.jobs import workflow
-    from bertpipe.jobs.pretrain.identity import describe_start
+    from bertpipe.jobs.pretrain.runs import describe_start
 
     rows = workflow.status(_config(args), verify=args.verify)
     rows = redact.mask_data(rows)  # an s3://KEY:SECRET@bucket workdir is shown masked

@@ -400,11 +400,11 @@ def pretrain_start(cfg: RootConfig, manifest: dict | None) -> dict[str, Any] | N
     """What pre-training resumed from (step, checkpoint, layout then and now) or started from (pretrain.init or
     random), as the stage recorded it when it started (jobs/pretrain/stage.py start_record): the committed run's
     (its manifest), or a later start's (its run folder's identity record: a run in progress, or one that failed)."""
-    from bertpipe.jobs.pretrain import identity
+    from bertpipe.jobs.pretrain import runs
 
     committed = ((manifest or {}).get("extra") or {}).get("start")
     try:
-        later = identity.latest_start(cfg.pretrain.storage_path or WorkdirPaths(cfg.workdir).ray_results,
+        later = runs.latest_start(cfg.pretrain.storage_path or WorkdirPaths(cfg.workdir).ray_results,
                                       cfg.pretrain.run_name)
     except (OSError, ValueError):
         later = None

@@ -30,8 +30,8 @@ def process_group():
 def worker(cfg, *, model=None, precision: str = "fp32", vocab=h.TOKENS, seed: int = 7):
     """A worker.Worker on the CPU with the engine of `cfg`; precision "bf16" switches DeepSpeed's bf16 on the way
     the GPU config does (DeepSpeed runs it on CPU too), which the product's CPU validation refuses."""
-    from bertpipe.jobs.pretrain import deepspeed_config as dsc
-    from bertpipe.jobs.pretrain import engine as engines
+    from bertpipe.jobs.pretrain.engine import deepspeed_config as dsc
+    from bertpipe.jobs.pretrain.engine import build as engines
     from bertpipe.jobs.pretrain import worker, worker_spec
     from bertpipe.jobs.pretrain.config import ModelConfig
     from bertpipe.jobs.services.tracking import RunLogger

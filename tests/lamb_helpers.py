@@ -48,7 +48,7 @@ def loss_of(model, b: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def reference() -> dict[str, torch.Tensor]:
     """STEPS steps of the plain per-parameter Lamb in one process (no layout: each tensor is one parameter)."""
-    from bertpipe.jobs.pretrain.optim import Lamb
+    from bertpipe.jobs.pretrain.engine.optim import Lamb
     from bertpipe.model.training import param_groups
 
     model = make_model()
@@ -66,7 +66,7 @@ def ds_config(zero_stage: int, precision: str) -> dict:
     fp32, bf16 is here only to measure it), "bf16_fp32_accum" also accumulates gradients in fp32, which makes
     DeepSpeed wrap ZeRO 1 in its BF16_Optimizer instead of the ZeRO optimizer."""
     from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
-    from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+    from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 
     cfg = PretrainConfig(zero_stage=zero_stage, optimizer="lamb", gradient_clipping=CLIP, num_workers=2)
     ds = deepspeed_config(cfg, PhaseConfig(global_batch_size=BATCH, micro_batch_size=BATCH // 2), world_size=2)
@@ -94,9 +94,9 @@ def worker(rank: int, port: int, zero_stage: int, precision: str, out: str) -> N
     import deepspeed
     import torch.distributed as dist
 
-    from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
-    from bertpipe.jobs.pretrain.engine import skip_inference_comm_op
-    from bertpipe.jobs.pretrain.optim import Lamb
+    from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
+    from bertpipe.jobs.pretrain.engine.build import skip_inference_comm_op
+    from bertpipe.jobs.pretrain.engine.optim import Lamb
     from bertpipe.model.training import param_groups
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),

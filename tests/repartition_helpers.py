@@ -1,6 +1,6 @@
 """Checkpoints taken on 2 workers resumed on 1 and the other way round, under ZeRO 1, 2, 3 with AdamW and ZeRO 1, 2
 with LAMB (LAMB under ZeRO 3 is refused by PretrainConfig): the product's engine (engine.build_engine), its checkpoint
-files (checkpoints.save_dir) and its load (checkpoints.load_dir: re-partitioned through repartition.py), in
+files (folders.save_dir) and its load (folders.load_dir: re-partitioned through repartition.py), in
 torch.multiprocessing ranks over gloo, without Ray.
 
 Every layout trains the same global batches, cut into the same micro-batches of MICRO rows: 2 workers take half of
@@ -36,14 +36,14 @@ def config(zero: int, optimizer: str, workers: int):
 
 
 def layout(zero: int, workers: int) -> dict:
-    from bertpipe.jobs.pretrain.identity import layout_of
+    from bertpipe.jobs.pretrain.runs import layout_of
 
     return layout_of(workers, [MICRO], zero)
 
 
 def global_batches() -> list[dict[str, torch.Tensor]]:
     """BEFORE + AFTER global batches of GLOBAL rows, masked once (the same masks on every layout)."""
-    from bertpipe.jobs.pretrain.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
 
     import pretrain_helpers as h
     from engine_helpers import raw_batches
@@ -73,7 +73,7 @@ def step(engine, batch: dict[str, torch.Tensor], rank: int, world: int) -> float
 
 
 def build(zero: int, optimizer: str, world: int):
-    from bertpipe.jobs.pretrain.engine import build_engine
+    from bertpipe.jobs.pretrain.engine.build import build_engine
     from bertpipe.jobs.pretrain.config import ModelConfig
 
     import pretrain_helpers as h
@@ -90,8 +90,8 @@ def worker(rank: int, world: int, port: int, root: str) -> None:
     root/<mode>-w<world>.pt, and root/trained-w<world> once its checkpoints are saved."""
     import torch.distributed as dist
 
-    from bertpipe.jobs.pretrain import checkpoints, repartition
-    from bertpipe.jobs.pretrain.resume import Position
+    from bertpipe.jobs.pretrain.checkpointing import folders, repartition
+    from bertpipe.jobs.pretrain.checkpointing.resume import Position
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
@@ -112,11 +112,11 @@ def worker(rank: int, world: int, port: int, root: str) -> None:
                 position = Position(BEFORE, 0, 0, BEFORE * GLOBAL // world // MICRO, BEFORE * GLOBAL // world, MICRO)
                 target = folder / f"w{world}"
                 target.mkdir(parents=True, exist_ok=True)
-                checkpoints.save_dir(engine, str(target), {**position.__dict__, "history": [],
+                folders.save_dir(engine, str(target), {**position.__dict__, "history": [],
                                                            "layout": layout(zero, world)})
                 found = {}
             else:
-                found = checkpoints.load_dir(engine, str(folder / f"w{3 - world}"), layout(zero, world), rank)
+                found = folders.load_dir(engine, str(folder / f"w{3 - world}"), layout(zero, world), rank)
                 state = repartition.full_state(engine)
             groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.optimizer.param_groups]
             losses = [step(engine, batch, rank, world) for batch in batches[BEFORE:]]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.jobs.pretrain.checkpoints import STATE_FILE
+from bertpipe.jobs.pretrain.checkpointing.folders import STATE_FILE
 from bertpipe.jobs.workflow import STAGES
 from bertpipe.pipeline.framework import outputs
 from bertpipe.pipeline.framework.outputs import ForeignFilesError
@@ -183,7 +183,7 @@ def _steps_of_checkpoints(workdir: Path) -> list[int]:
 def test_a_torn_checkpoint_is_passed_over_for_the_previous_complete_one(tmp_path):
     import torch
 
-    from bertpipe.jobs.pretrain.checkpoints import CKPT_TAG, survey
+    from bertpipe.jobs.pretrain.checkpointing.folders import CKPT_TAG, survey
     from bertpipe.jobs.pretrain.config import PretrainConfig
 
     cfg = PretrainConfig(num_workers=2, zero_stage=1)

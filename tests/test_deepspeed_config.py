@@ -6,9 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
-from bertpipe.jobs.pretrain.optim import Lamb, LrSchedule
+from bertpipe.jobs.pretrain.engine.optim import Lamb, LrSchedule
 from bertpipe.model.training import param_groups
 
 

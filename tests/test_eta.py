@@ -1,5 +1,5 @@
-"""The pieces behind "no silent minute": the pre-training ETA's arithmetic (jobs/pretrain/eta.py) and the console's
-heartbeat (pipeline/framework/console.py). The whole, on a real run, is tests/test_first_hour.py."""
+"""The pieces behind "no silent minute": the pre-training ETA's arithmetic (jobs/pretrain/metrics/eta.py) and the
+console's heartbeat (pipeline/framework/console.py). The whole, on a real run, is tests/test_first_hour.py."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from bertpipe.jobs.config import load_config
-from bertpipe.jobs.pretrain import eta
+from bertpipe.jobs.pretrain.metrics import eta
 from bertpipe.pipeline.framework import progress
 from bertpipe.pipeline.framework.console import QUIET_S, Console
 
@@ -136,7 +136,7 @@ class FakeTime:
 @pytest.fixture
 def step_clock(tiny):
     """The tiny preset's worker clock (rank 0, 2 workers, the rows of `tiny`) on a fake clock; its reports kept."""
-    from bertpipe.jobs.pretrain.clock import StepClock
+    from bertpipe.jobs.pretrain.metrics.step_clock import StepClock
     from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 
     cfg, _, _ = tiny

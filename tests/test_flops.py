@@ -9,8 +9,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from bertpipe.jobs.pretrain import meter as meter_module
-from bertpipe.jobs.pretrain.meter import Meter
+from bertpipe.jobs.pretrain.metrics import meter as meter_module
+from bertpipe.jobs.pretrain.metrics.meter import Meter
 from bertpipe.model import BertConfig, BertForPreTraining
 from bertpipe.model.flops import peak_tflops, step_flops
 

@@ -1,10 +1,10 @@
-"""jobs/pretrain/heldout.py: each worker's held-out rows, read straight from the shard."""
+"""jobs/pretrain/data/heldout.py: each worker's held-out rows, read straight from the shard."""
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from bertpipe.jobs.pretrain.heldout import read_heldout
-from bertpipe.jobs.pretrain.masking import MaskingSpec, collate
+from bertpipe.jobs.pretrain.data.heldout import read_heldout
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec, collate
 from pretrain_helpers import TOKENS, make_rows
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
-from bertpipe.jobs.pretrain.optim import FlatLayout, Lamb
+from bertpipe.jobs.pretrain.engine.optim import FlatLayout, Lamb
 
 LR = 0.1
 
@@ -49,7 +49,7 @@ def test_flat_step_equals_per_tensor_step():
 def test_gpu_and_cpu_ways_of_applying_the_ratios_agree():
     """The scale-tensor path (taken on CUDA) and the in-place views path (CPU) move every segment alike and leave
     the alignment gaps alone."""
-    from bertpipe.jobs.pretrain.optim import Pieces, _apply_scale_tensor, _apply_views
+    from bertpipe.jobs.pretrain.engine.optim import Pieces, _apply_scale_tensor, _apply_views
 
     torch.manual_seed(2)
     layout = FlatLayout(segments=((1, 3, 20), (0, 24, 60), (2, 60, 61)), num_params=3)

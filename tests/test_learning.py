@@ -10,9 +10,9 @@ import pyarrow as pa
 import pytest
 
 from bertpipe.jobs.config import load_config
-from bertpipe.jobs.pretrain.baselines import baselines, best_threshold
-from bertpipe.jobs.pretrain.curves import curve_pngs
-from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, collate
+from bertpipe.jobs.pretrain.learning.baselines import baselines, best_threshold
+from bertpipe.jobs.pretrain.learning.curves import curve_pngs
+from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, collate
 from bertpipe.pipeline.formats.shards import shard_meta, shard_schema, write_shard
 
 REPO = Path(__file__).resolve().parents[1]

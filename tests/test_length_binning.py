@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bertpipe.jobs.pretrain.length_binning import length_binned, padding_fraction, row_lengths
+from bertpipe.jobs.pretrain.data.length_binning import length_binned, padding_fraction, row_lengths
 
 
 def _batches(num_batches: int, batch_size: int, seed: int = 0, equal_rows: bool = False) -> list[dict]:

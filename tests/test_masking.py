@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, batch_rng, collate
+from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, batch_rng, collate
 
 # vocabulary of 99: the five specials, then words; ids 50.. are "##" continuation pieces
 TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(45)] + [f"##p{i}" for i in range(49)]

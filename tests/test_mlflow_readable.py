@@ -8,7 +8,8 @@ import pytest
 
 import engine_helpers as eh
 from bertpipe.jobs.services import tracking
-from bertpipe.jobs.pretrain import loop, resume
+from bertpipe.jobs.pretrain import loop
+from bertpipe.jobs.pretrain.checkpointing import resume
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
 
 # How MLflow's UI (3.x, the run page and the experiment's charts) lays a run's metrics out: sections named by the

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES
+from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig
 from bertpipe.pipeline.framework.stage import StageInputError
@@ -129,7 +129,7 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
     rank's partition), at step 30 and at the end, are complete. (ZeRO 2: tests/test_pretrain_lamb.py.)"""
     from mlflow.tracking import MlflowClient
 
-    from bertpipe.jobs.pretrain.checkpoints import STATE_FILE, latest_checkpoint
+    from bertpipe.jobs.pretrain.checkpointing.folders import STATE_FILE, latest_checkpoint
 
     _, inputs = data
     cfg = base_config(zero_stage=3, checkpoint_every_steps=30)
@@ -261,7 +261,7 @@ def test_impossible_configs_are_refused(ray_local, data, tmp_path, overrides, me
 def test_diverging_run_stops_once_with_the_step_and_no_retry(ray_local, data, tmp_path):
     """A learning rate that blows the weights up: the run stops at the first logging window with one line naming
     the step, even with retries allowed (a retry would only meet the same NaN again)."""
-    from bertpipe.jobs.pretrain.meter import NonFiniteError
+    from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError
 
     _, inputs = data
     cfg = tiny_config(max_steps=20, log_every_steps=5, checkpoint_every_steps=10**6, max_failures=3,

@@ -102,7 +102,7 @@ def test_each_worker_loads_the_weights_before_deepspeed(minilm, caplog):
     (seeded), and the one line names them."""
     from safetensors.torch import load_file
 
-    from bertpipe.jobs.pretrain.engine import build_model
+    from bertpipe.jobs.pretrain.engine.build import build_model
 
     init_config = json.loads((minilm / "config.json").read_text())
     with caplog.at_level(logging.INFO, logger="bertpipe.pretrain"):

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from bertpipe.jobs.pretrain.masking import MaskingSpec
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.pipeline.framework.stage import StageContext, StageInput, read_manifest

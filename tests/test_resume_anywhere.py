@@ -1,12 +1,12 @@
-"""A run's identity is what changes its result, not its layout (jobs/pretrain/identity.py; issue 33 items 1, 2 and
-4): the name's arithmetic on plain configs; the data rule of a resume on another layout (jobs/pretrain/resume.py) on
-positions, on streams of numbered rows and through the loop's own run_epoch (one CPU process, no Ray); what
-`bertpipe status` says a run started from; then real Ray Train + DeepSpeed runs (tiny BERT, 2 CPU workers, local
-Ray): a run that failed at step 30 resumes from its step-20 checkpoint after the cadence and CPUs changed, says so in
-one line with both layouts; a changed learning rate starts at step 0 naming the field; `pretrain.restart` starts
-again; and its step-20 checkpoint resumed on one worker instead of two under ZeRO 1 goes on by the rule (the optimizer
-state re-partitioned, the rest of the epoch left out: tests/test_repartition.py shows the re-partitioned state
-exact).
+"""A run's identity is what changes its result, not its layout (jobs/pretrain/runs.py; issue 33 items 1, 2 and 4): the
+name's arithmetic on plain configs; the data rule of a resume on another layout
+(jobs/pretrain/checkpointing/resume.py) on positions, on streams of numbered rows and through the loop's own
+run_epoch (one CPU process, no Ray); what `bertpipe status` says a run started from; then real Ray Train + DeepSpeed
+runs (tiny BERT, 2 CPU workers, local Ray): a run that failed at step 30 resumes from its step-20 checkpoint after
+the cadence and CPUs changed, says so in one line with both layouts; a changed learning rate starts at step 0 naming
+the field; `pretrain.restart` starts again; and its step-20 checkpoint resumed on one worker instead of two under
+ZeRO 1 goes on by the rule (the optimizer state re-partitioned, the rest of the epoch left out:
+tests/test_repartition.py shows the re-partitioned state exact).
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bertpipe.jobs.pretrain import identity, resume
+from bertpipe.jobs.pretrain import runs
+from bertpipe.jobs.pretrain.checkpointing import resume
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
-from bertpipe.jobs.pretrain.resume import Position
+from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.stage import run_stage
 from pretrain_helpers import context, make_inputs, tiny_config
 
@@ -27,37 +28,37 @@ from pretrain_helpers import context, make_inputs, tiny_config
 def ident(**pretrain):
     phase = pretrain.pop("phase", {})
     cfg = PretrainConfig(**{"phases": (PhaseConfig(**phase),), **pretrain})
-    return identity.identity({"model": ModelConfig(), "pretrain": cfg}, 7, {"pairs": "p1", "vocab": "v1"})
+    return runs.identity({"model": ModelConfig(), "pretrain": cfg}, 7, {"pairs": "p1", "vocab": "v1"})
 
 
 def test_layout_fields_keep_the_name_and_result_fields_change_it():
-    base = identity.base_name(ident())
+    base = runs.base_name(ident())
     for layout in (dict(num_workers=2), dict(cpus_per_worker=4), dict(log_every_steps=3), dict(eval_every_steps=7),
                    dict(checkpoint_every_steps=5), dict(prefetch_batches=9), dict(max_failures=0),
                    dict(compile=True), dict(phase={"micro_batch_size": 4})):
-        assert identity.base_name(ident(**layout)) == base, layout
+        assert runs.base_name(ident(**layout)) == base, layout
     for result in (dict(max_steps=61), dict(zero_stage=2), dict(optimizer="lamb"), dict(masked_lm_prob=0.2),
                    dict(phase={"learning_rate": 2e-4}), dict(phase={"global_batch_size": 64})):
-        assert identity.base_name(ident(**result)) != base, result
-    assert identity.changes(ident(), ident(phase={"learning_rate": 2e-4}, max_steps=80)) == [
+        assert runs.base_name(ident(**result)) != base, result
+    assert runs.changes(ident(), ident(phase={"learning_rate": 2e-4}, max_steps=80)) == [
         "pretrain.max_steps 60 → 80", "pretrain.phases[0].learning_rate 0.0001 → 0.0002"]
 
 
 def test_restart_takes_the_next_name_and_later_reruns_resume_it():
-    assert identity.choose_name("pretrain-a", [], restart=False) == "pretrain-a"
-    assert identity.choose_name("pretrain-a", ["pretrain-a"], restart=True) == "pretrain-a-r2"
-    assert identity.choose_name("pretrain-a", ["pretrain-a", "pretrain-a-r2", "pretrain-b"], False) == "pretrain-a-r2"
-    assert identity.choose_name("pretrain-a", ["pretrain-a", "pretrain-a-r2"], restart=True) == "pretrain-a-r3"
+    assert runs.choose_name("pretrain-a", [], restart=False) == "pretrain-a"
+    assert runs.choose_name("pretrain-a", ["pretrain-a"], restart=True) == "pretrain-a-r2"
+    assert runs.choose_name("pretrain-a", ["pretrain-a", "pretrain-a-r2", "pretrain-b"], False) == "pretrain-a-r2"
+    assert runs.choose_name("pretrain-a", ["pretrain-a", "pretrain-a-r2"], restart=True) == "pretrain-a-r3"
 
 
 def test_another_worker_count_or_micro_batch_is_resumed_and_only_another_zero_stage_refused_in_one_line():
-    then = identity.layout_of(2, [8], 1)
-    for now in (identity.layout_of(1, [8], 1), identity.layout_of(2, [4], 1), identity.layout_of(4, [2], 1)):
-        identity.check_layout(then, now, 20)  # converted: repartition.py, resume.py
-    identity.check_layout(None, identity.layout_of(1, [8], 3), 20)  # a checkpoint without a layout: as before
+    then = runs.layout_of(2, [8], 1)
+    for now in (runs.layout_of(1, [8], 1), runs.layout_of(2, [4], 1), runs.layout_of(4, [2], 1)):
+        runs.check_layout(then, now, 20)  # converted: repartition.py, resume.py
+    runs.check_layout(None, runs.layout_of(1, [8], 3), 20)  # a checkpoint without a layout: as before
     with pytest.raises(ValueError, match=r"^pretrain: the step-20 checkpoint .* under ZeRO 1, now ZeRO 3: .* another "
                                          r"pretrain.run_name$"):
-        identity.check_layout(then, identity.layout_of(1, [8], 3), 20)
+        runs.check_layout(then, runs.layout_of(1, [8], 3), 20)
 
 
 # 3200 training rows (4 shards of 800), 32 sequences a step: a worker's share is 1600 rows on 2 workers.
@@ -69,7 +70,7 @@ def rule_config(**kw) -> PretrainConfig:
 
 
 def test_the_same_layout_goes_on_where_it_stopped():
-    cfg, two = rule_config(), identity.layout_of(2, [8], 1)
+    cfg, two = rule_config(), runs.layout_of(2, [8], 1)
     at = Position(step=20, epoch=0, batch=40, sequences=320, dealt=8)
     plan = resume.plan(at, two, two, cfg, ROWS)
     assert plan.position == at and not plan.repartition and plan.left_out == 0 and not plan.recut
@@ -78,7 +79,7 @@ def test_the_same_layout_goes_on_where_it_stopped():
 
 
 def test_another_micro_batch_goes_on_with_the_sequences_not_trained_yet_re_cut():
-    cfg, then, now = rule_config(), identity.layout_of(2, [8], 1), identity.layout_of(2, [4], 1)
+    cfg, then, now = rule_config(), runs.layout_of(2, [8], 1), runs.layout_of(2, [4], 1)
     at = Position(step=20, epoch=3, batch=40, sequences=320, dealt=8)
     plan = resume.plan(at, then, now, cfg, ROWS)
     assert plan.position == at and plan.recut == 4 and plan.left_out == 0 and not plan.repartition
@@ -90,7 +91,7 @@ def test_another_micro_batch_goes_on_with_the_sequences_not_trained_yet_re_cut()
 
 def test_another_worker_count_leaves_out_the_rest_of_the_epoch_and_goes_on_with_the_next():
     cfg = rule_config()
-    then, now = identity.layout_of(2, [8], 1), identity.layout_of(1, [8], 1)
+    then, now = runs.layout_of(2, [8], 1), runs.layout_of(1, [8], 1)
     plan = resume.plan(Position(step=20, epoch=0, batch=40, sequences=320, dealt=8), then, now, cfg, ROWS)
     # each of the 2 workers had 1600 rows and trained 320: 2 × 1280 never trained this epoch
     assert plan.position == Position(step=20, epoch=1) and plan.left_out == 2560 and plan.repartition
@@ -103,14 +104,14 @@ def test_another_worker_count_leaves_out_the_rest_of_the_epoch_and_goes_on_with_
     back = resume.plan(Position(step=20, epoch=0, batch=80, sequences=640, dealt=8), now, then, cfg, ROWS)
     assert back.left_out == 3200 - 640 and back.position == Position(step=20, epoch=1)
     # ZeRO 0 keeps no partitions: the data rule holds, nothing to re-partition
-    zero0 = resume.plan(Position(step=20, sequences=320, dealt=8), identity.layout_of(2, [8], 0),
-                        identity.layout_of(1, [8], 0), rule_config(zero_stage=0), ROWS)
+    zero0 = resume.plan(Position(step=20, sequences=320, dealt=8), runs.layout_of(2, [8], 0),
+                        runs.layout_of(1, [8], 0), rule_config(zero_stage=0), ROWS)
     assert not zero0.repartition and zero0.left_out == 2560
 
 
 def test_a_checkpoint_at_an_epoch_start_or_a_phase_end_leaves_nothing_out():
     cfg = rule_config()
-    then, now = identity.layout_of(2, [8], 2), identity.layout_of(1, [8], 2)
+    then, now = runs.layout_of(2, [8], 2), runs.layout_of(1, [8], 2)
     at_start = resume.plan(Position(step=50, epoch=1), then, now, cfg, ROWS)
     assert at_start.position == Position(step=50, epoch=1) and at_start.left_out == 0 and at_start.repartition
     assert "the data position is an epoch's start" in at_start.carries
@@ -120,8 +121,8 @@ def test_a_checkpoint_at_an_epoch_start_or_a_phase_end_leaves_nothing_out():
 
 def test_an_older_position_counts_micro_batches_of_its_layout():
     state = {"step": 20, "phase": 0, "epoch": 2, "batch": 40}  # position.json before `sequences` and `dealt`
-    assert resume.position_of(state, identity.layout_of(2, [8], 1)) == Position(20, 0, 2, 40, 320, 8)
-    assert resume.position_of({"step": 0, "phase": 0, "epoch": 0, "batch": 0}, identity.layout_of(2, [8], 1)) == \
+    assert resume.position_of(state, runs.layout_of(2, [8], 1)) == Position(20, 0, 2, 40, 320, 8)
+    assert resume.position_of({"step": 0, "phase": 0, "epoch": 0, "batch": 0}, runs.layout_of(2, [8], 1)) == \
         Position()
 
 
@@ -172,7 +173,7 @@ def test_a_micro_batch_change_mid_epoch_trains_every_sequence_of_the_epoch_once(
         w = eh.worker(eight)
         taken = run(w, eight, Position(), 3, raw)
         assert taken == Position(step=3, epoch=0, batch=6, sequences=48, dealt=8)
-        goes_on = resume.plan(taken, identity.layout_of(1, [8], 1), identity.layout_of(1, [4], 1), four, {})
+        goes_on = resume.plan(taken, runs.layout_of(1, [8], 1), runs.layout_of(1, [4], 1), four, {})
         assert goes_on.recut == 4
         end = run(w, four, goes_on.position, 7, raw)  # the epoch runs out before step 7
     assert end == Position(step=6, epoch=0, batch=18, sequences=96, dealt=8)
@@ -244,8 +245,8 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
         assert (last["epoch"], last["sequences"], last["layout"]["num_workers"]) == (1, 20 * 32, 1)
         # `bertpipe status` shows this record: the one the line was made of, in the run folder and the manifest
         start, folder = result.extra["start"], Path(result.extra["checkpoints"])
-        assert identity.latest_start(str(folder.parent)) == {**start, "run": folder.name}
-        assert identity.describe_start(start) == said[0].strip()
+        assert runs.latest_start(str(folder.parent)) == {**start, "run": folder.name}
+        assert runs.describe_start(start) == said[0].strip()
         assert (start["resumed_from_step"], start["layout_then"]["num_workers"], start["layout_now"]["num_workers"],
                 start["left_out"], start["started_from"]) == (20, 2, 1, 2560, "random initialisation")
     finally:
@@ -262,15 +263,15 @@ def test_status_says_what_pretraining_resumed_or_started_from(tmp_path, capsys):
     workdir = tmp_path / "w"
     args = cli.build_parser().parse_args(["status", "--config", "tiny", "--workdir", str(workdir)])
     storage_path = WorkdirPaths(str(workdir)).ray_results
-    started = {"at": 1.0, "started_from": "random initialisation", "layout_now": identity.layout_of(2, [8], 1),
+    started = {"at": 1.0, "started_from": "random initialisation", "layout_now": runs.layout_of(2, [8], 1),
                "resumed_from_step": 0, "why": "no checkpoint of these settings yet"}
-    resumed = {"at": 2.0, "started_from": "random initialisation", "layout_now": identity.layout_of(1, [8], 1),
+    resumed = {"at": 2.0, "started_from": "random initialisation", "layout_now": runs.layout_of(1, [8], 1),
                "resumed_from_step": 20, "checkpoint": f"{storage_path}/pretrain-a/checkpoint_x",
-               "layout_then": identity.layout_of(2, [8], 1), "left_out": 2560, "repartitioned": True,
+               "layout_then": runs.layout_of(2, [8], 1), "left_out": 2560, "repartitioned": True,
                "carries": "weights, optimizer state (re-partitioned from 2 workers to 1), ... carry over exactly"}
     assert cli.cmd_status(args) == 0 and "latest start" not in capsys.readouterr().out  # nothing started yet
-    identity.record(storage_path, "pretrain-a", {"seed": 7}, start=started)
-    identity.record(storage_path, "pretrain-a", {"seed": 7}, start=resumed)  # the rerun that resumed it
+    runs.record(storage_path, "pretrain-a", {"seed": 7}, start=started)
+    runs.record(storage_path, "pretrain-a", {"seed": 7}, start=resumed)  # the rerun that resumed it
     row = next(r for r in workflow.status(cli._config(args)) if r["stage"] == "pretrain")
     assert row["start"] == {**resumed, "run": "pretrain-a"}
     assert cli.cmd_status(args) == 0
@@ -290,6 +291,6 @@ def test_status_says_what_pretraining_resumed_or_started_from(tmp_path, capsys):
     # a committed run newer than the run folder's record (its manifest keeps the same record)
     committed = {**started, "at": 3.0, "started_from": "the weights of /models/bert"}
     assert workflow.pretrain_start(cli._config(args), {"extra": {"start": committed}}) == committed
-    assert identity.describe_start(committed, "latest start: ") == (
+    assert runs.describe_start(committed, "latest start: ") == (
         "latest start: training starts at step 0 from the weights of /models/bert (no checkpoint of these settings "
         "yet)")

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import engine_helpers as eh
-from bertpipe.jobs.pretrain import loop, resume, worker
-from bertpipe.jobs.pretrain.engine import compile_enabled
-from bertpipe.jobs.pretrain.masking import batch_rng, collate
+from bertpipe.jobs.pretrain import loop, worker
+from bertpipe.jobs.pretrain.checkpointing import resume
+from bertpipe.jobs.pretrain.engine.build import compile_enabled
+from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning
-from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
-from bertpipe.jobs.pretrain.meter import Meter, NonFiniteError
+from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.metrics.meter import Meter, NonFiniteError
 
 REPO = str(Path(__file__).resolve().parents[1])
 # Every way a tensor's value reaches Python: each waits for the device's queue on a GPU.

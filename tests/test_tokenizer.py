@@ -235,13 +235,13 @@ def test_cased_model_fine_tunes_cased(tmp_path):
 
 
 def test_pretraining_export_carries_the_casing_of_its_shards(tmp_path):
-    """The worker's export (jobs/pretrain/checkpoints.py) writes every EXPORT_FILES name, with do_lower_case as the
-    pairs stage recorded it in the shards: a model pre-trained cased loads cased in AutoTokenizer."""
+    """The worker's export (jobs/pretrain/checkpointing/export.py) writes every EXPORT_FILES name, with do_lower_case
+    as the pairs stage recorded it in the shards: a model pre-trained cased loads cased in AutoTokenizer."""
     from types import SimpleNamespace
 
     import pyarrow as pa
 
-    from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, data_lowercase, export
+    from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES, data_lowercase, export
     from bertpipe.jobs.services.tracking import RunLogger
     from bertpipe.model import BertConfig, BertForPreTraining
     from bertpipe.pipeline.formats import shards

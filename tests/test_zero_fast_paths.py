@@ -1,4 +1,4 @@
-"""jobs/pretrain/zero_fast_paths.py against DeepSpeed's own methods: the same global gradient norms, the same
+"""jobs/pretrain/engine/zero_fast_paths.py against DeepSpeed's own methods: the same global gradient norms, the same
 clipping and so the same weights, step for step, under ZeRO 1 and 2 in fp32 and bf16 (CPU, one rank, no Ray)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import engine_helpers as eh
 from bertpipe.jobs.pretrain import loop, worker
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
-from bertpipe.jobs.pretrain.masking import batch_rng, collate
+from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
 
 
 def run(cfg, precision, fast: bool, steps=4):

@@ -110,7 +110,7 @@ class PretrainConfig:
     # Rows each worker mixes locally per epoch (the shards were already shuffled by the pairs stage).
     shuffle_buffer_rows: int = 2000
     # Micro-batches whose rows are sorted together by length before batching, so short rows share a batch and
-    # pad less (jobs/pretrain/length_binning.py); 1 = off. Batch sizes and rows per epoch do not change.
+    # pad less (jobs/pretrain/data/length_binning.py); 1 = off. Batch sizes and rows per epoch do not change.
     length_bin_window: int = 8
     prefetch_batches: int = 4
     # --- logging, evaluation, checkpoints
@@ -123,7 +123,7 @@ class PretrainConfig:
     # Ray Train storage (local path or s3://). Empty = <parent of the stage output>/ray_results, outside the
     # output folder (the workflow empties that before a rerun, and a rerun must find the checkpoints).
     storage_path: str = path_field()
-    # Run name under storage_path; empty = derived from the fields that change the result (jobs/pretrain/identity.py),
+    # Run name under storage_path; empty = derived from the fields that change the result (jobs/pretrain/runs.py),
     # so a rerun resumes unless one of them changed.
     run_name: str = ""
     # Start this run again from step 0 even though a checkpoint of the same settings exists (it is kept).
@@ -191,7 +191,7 @@ class PretrainConfig:
                              "(DeepSpeed's fp16 wrapper)")
 
     def _check_lamb(self) -> None:
-        """LAMB's trust ratio must stay per layer: jobs/pretrain/lamb_layout.py maps ZeRO 1/2 and bf16 partitions
+        """LAMB's trust ratio must stay per layer: jobs/pretrain/engine/lamb_layout.py maps ZeRO 1/2 and bf16 partitions
         back to parameters; ZeRO 3 and DeepSpeed's own FusedLamb cannot be mapped (optimizer offload is refused by
         _check_engine)."""
         if self.optimizer != "lamb":

@@ -7,10 +7,10 @@ import time
 import torch
 
 from bertpipe.jobs.pretrain.config import PhaseConfig
-from bertpipe.jobs.pretrain.engine import compile_enabled
-from bertpipe.jobs.pretrain.masking import batch_rng, collate
-from bertpipe.jobs.pretrain.meter import all_sum
-from bertpipe.jobs.pretrain.streams import heldout_batches
+from bertpipe.jobs.pretrain.engine.build import compile_enabled
+from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
+from bertpipe.jobs.pretrain.metrics.meter import all_sum
+from bertpipe.jobs.pretrain.data.streams import heldout_batches
 from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, to_device
 
 EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase

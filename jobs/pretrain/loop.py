@@ -20,14 +20,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertpipe.jobs.pretrain import checkpoints, identity, resume
-from bertpipe.jobs.pretrain.engine import build_engine, compile_enabled
+from bertpipe.jobs.pretrain import runs
+from bertpipe.jobs.pretrain.checkpointing import export, folders, resume
+from bertpipe.jobs.pretrain.engine.build import build_engine, compile_enabled
 from bertpipe.jobs.pretrain.evaluation import evaluate_heldout, evaluation_series, time_eval_batches
-from bertpipe.jobs.pretrain.lamb_layout import mapped_layouts
-from bertpipe.jobs.pretrain.masking import batch_rng, collate
-from bertpipe.jobs.pretrain.meter import THROUGHPUT, NonFiniteError
-from bertpipe.jobs.pretrain.streams import micro_batches, open_streams
-from bertpipe.jobs.pretrain.resume import Position
+from bertpipe.jobs.pretrain.engine.lamb_layout import mapped_layouts
+from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
+from bertpipe.jobs.pretrain.metrics.meter import THROUGHPUT, NonFiniteError
+from bertpipe.jobs.pretrain.data.streams import micro_batches, open_streams
+from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, seed_of, to_device
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import RunLogger, metric_names
@@ -79,18 +80,18 @@ def restore(w: Worker) -> Position:
     import ray.train
 
     given = ray.train.get_checkpoint()
-    found = [checkpoints.latest_checkpoint(w.spec.storage_path, w.spec.run_name, w.spec.pretrain)
+    found = [folders.latest_checkpoint(w.spec.storage_path, w.spec.run_name, w.spec.pretrain)
              if w.rank == 0 else None]
     dist.broadcast_object_list(found, src=0)
     # The later of the two: a driver killed right after the workers saved leaves a complete checkpoint that Ray
     # Train's snapshot never registered.
-    newest = checkpoints.newer(given.path if given is not None else None, found[0])
+    newest = folders.newer(given.path if given is not None else None, found[0])
     checkpoint = given if given is not None and newest == given.path else (
         ray.train.Checkpoint(newest) if newest else None)
     if checkpoint is None:
         return Position()
     now = layout(w)
-    return resumed_position(w, checkpoints.load(w.engine, checkpoint, now, w.local_rank), now)
+    return resumed_position(w, folders.load(w.engine, checkpoint, now, w.local_rank), now)
 
 
 def resumed_position(w: Worker, state: dict, now: dict) -> Position:
@@ -106,9 +107,9 @@ def resumed_position(w: Worker, state: dict, now: dict) -> Position:
 
 
 def layout(w: Worker) -> dict:
-    """How the checkpoint's state is laid out: what a resume on another layout must match (identity.check_layout)."""
+    """How the checkpoint's state is laid out: what a resume on another layout must match (runs.check_layout)."""
     cfg = w.spec.pretrain
-    return identity.layout_of(w.world, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
+    return runs.layout_of(w.world, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
 
 
 def announce_attempt(w: Worker, position: Position) -> None:
@@ -257,7 +258,7 @@ def checkpoint_at(w: Worker, position: Position, last: dict) -> None:
     """A checkpoint of the engine, the position in the data and the curves so far, reported to Ray Train."""
     w.doing(f"saving a checkpoint (step {position.step})")
     with w.clock.aside("checkpoint") as took:
-        checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": w.history,
+        folders.save_and_report(w.engine, {**dataclasses.asdict(position), "history": w.history,
                                                "layout": layout(w)},
                                     {"step": position.step, **last})
     log.info("rank %d: checkpoint at step %d took %.1f s", w.rank, position.step, took.seconds)
@@ -268,7 +269,7 @@ def stop_for_good(w: Worker, exc: NonFiniteError) -> None:
     driver in the run folder, not raised: Ray Train would retry from the last checkpoint and meet the same NaN
     again."""
     if w.rank == 0:
-        storage.write_text_atomic(checkpoints.stop_marker(w.spec.storage_path, w.spec.run_name),
+        storage.write_text_atomic(folders.stop_marker(w.spec.storage_path, w.spec.run_name),
                                   json.dumps({"reason": str(exc), "step": w.engine.global_steps}))
     dist.barrier()
 
@@ -293,12 +294,12 @@ def final_evaluation(w: Worker, position: Position, resumed_from: int, last: dic
 
 
 def export_model(w: Worker) -> None:
-    """The model in Hugging Face layout with its tokenizer files (checkpoints.export)."""
+    """The model in Hugging Face layout with its tokenizer files (export.export)."""
     spec = w.spec
     w.doing("exporting the model")
     started = time.perf_counter()
-    checkpoints.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run,
-                       checkpoints.data_lowercase(spec.heldout))
+    export.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run,
+                       export.data_lowercase(spec.heldout))
     log.info("rank %d: export took %.1f s", w.rank, time.perf_counter() - started)
 
 
@@ -307,7 +308,7 @@ def save_last_checkpoint(w: Worker, position: Position, final: dict) -> None:
     the workers: no measurement of this run prices that, so the ETA counts none of it and the line says what runs."""
     w.doing("saving the last checkpoint")
     started = time.perf_counter()
-    checkpoints.save_and_report(w.engine, {**dataclasses.asdict(position), "history": final["history"][:-1],
+    folders.save_and_report(w.engine, {**dataclasses.asdict(position), "history": final["history"][:-1],
                                            "layout": layout(w)}, final)
     log.info("rank %d: last checkpoint took %.1f s", w.rank, time.perf_counter() - started)
     if w.rank == 0:

@@ -24,13 +24,14 @@ from bertpipe.jobs.services.capacity import FIX, Need, ask_autoscaler, release_r
 from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.jobs.services.interrupts import Interrupted
 from bertpipe.jobs.pretrain.attempts import AttemptWatch
-from bertpipe.jobs.pretrain import identity
-from bertpipe.jobs.pretrain.checkpoints import EXPORT_FILES, state_of, step_of, survey, take_stop_reason
+from bertpipe.jobs.pretrain import runs
+from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
+from bertpipe.jobs.pretrain.checkpointing.folders import state_of, step_of, survey, take_stop_reason
 from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
-from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import train_loop_per_worker
-from bertpipe.jobs.pretrain.masking import COLUMNS
-from bertpipe.jobs.pretrain.meter import NonFiniteError
+from bertpipe.jobs.pretrain.data.masking import COLUMNS
+from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline.framework import storage
@@ -134,14 +135,14 @@ def init_heads(ctx: StageContext) -> list[str]:
 
 def run_identity(ctx: StageContext) -> dict[str, Any]:
     ids = {n: (i.manifest or {}).get("output_id", i.uri) for n, i in sorted(ctx.inputs.items())}
-    return identity.identity(ctx.config, ctx.seed, ids)
+    return runs.identity(ctx.config, ctx.seed, ids)
 
 
 def run_name(ctx: StageContext, cfg: PretrainConfig, storage_path: str) -> str:
-    """The run folder this stage trains in: its identity's (jobs/pretrain/identity.py), or `pretrain.run_name`."""
+    """The run folder this stage trains in: its identity's (jobs/pretrain/runs.py), or `pretrain.run_name`."""
     if cfg.run_name:
         return cfg.run_name
-    return identity.choose_name(identity.base_name(run_identity(ctx)), identity.run_folders(storage_path),
+    return runs.choose_name(runs.base_name(run_identity(ctx)), runs.run_folders(storage_path),
                                 cfg.restart)
 
 
@@ -150,21 +151,21 @@ def start_record(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name
     """What training starts from: a checkpoint (its step, where it is, its layout and this one, what carries over:
     resume.plan), or step 0 and why; and, either way, the weights the run started from (pretrain.init or random).
     The one record of it: the console line, MLflow's tags, the run folder's identity record and the stage's manifest
-    (`bertpipe status`) all show this. Refuses a checkpoint this layout cannot load (identity.check_layout)."""
-    from bertpipe.jobs.pretrain.resume import plan, position_of
+    (`bertpipe status`) all show this. Refuses a checkpoint this layout cannot load (runs.check_layout)."""
+    from bertpipe.jobs.pretrain.checkpointing.resume import plan, position_of
 
-    now = identity.layout_of(cfg.num_workers, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
+    now = runs.layout_of(cfg.num_workers, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
     record: dict[str, Any] = {"at": time.time(), "started_from": f"the weights of {cfg.init}" if cfg.init
                               else "random initialisation", "layout_now": now}
     if resume:
         state = state_of(resume)  # a complete checkpoint (survey): its position.json was read whole
         then, step = state.get("layout"), int(state["step"])
-        identity.check_layout(then, now, step)
+        runs.check_layout(then, now, step)
         goes_on = plan(position_of(state, then or now), then, now, cfg, rows)
         return {**record, "resumed_from_step": step, "checkpoint": resume, "layout_then": then,
                 "carries": goes_on.carries, "left_out": goes_on.left_out, "repartitioned": goes_on.repartition}
-    previous = identity.previous_run(storage_path, name)
-    changed = identity.changes(previous[1], run_identity(ctx)) if previous else []
+    previous = runs.previous_run(storage_path, name)
+    changed = runs.changes(previous[1], run_identity(ctx)) if previous else []
     why = ("pretrain.restart" if cfg.restart else
            f"{'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} since run {previous[0]}" if changed
            else "no checkpoint of these settings yet")
@@ -174,11 +175,11 @@ def start_record(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name
 def start_tags(record: dict[str, Any]) -> dict[str, str]:
     """The start record as the stage run's MLflow tags."""
     tags = {"bertpipe.started_from": record["started_from"],
-            "bertpipe.layout": identity.describe_layout(record["layout_now"])}
+            "bertpipe.layout": runs.describe_layout(record["layout_now"])}
     if record.get("checkpoint"):
         tags.update({"bertpipe.resumed_from_step": str(record["resumed_from_step"]),
                      "bertpipe.resumed_from_checkpoint": record["checkpoint"],
-                     "bertpipe.resumed_layout": identity.describe_layout(record.get("layout_then")),
+                     "bertpipe.resumed_layout": runs.describe_layout(record.get("layout_then")),
                      "bertpipe.resume_carries": record["carries"]})
     else:
         tags["bertpipe.restarted_because"] = record["why"]
@@ -190,9 +191,9 @@ def announce_start(ctx: StageContext, cfg: PretrainConfig, storage_path: str, na
     """One line on what training starts from (start_record), the same in MLflow's tags and the run folder's
     identity record; returns the record (the stage's manifest keeps it too)."""
     record = start_record(ctx, cfg, storage_path, name, resume, rows or {})
-    ctx.console.tell(identity.describe_start(record), log)
+    ctx.console.tell(runs.describe_start(record), log)
     run.set_tags(start_tags(record))
-    identity.record(storage_path, name, run_identity(ctx), start=record)
+    runs.record(storage_path, name, run_identity(ctx), start=record)
     return record
 
 
@@ -341,9 +342,9 @@ def register(run: RunLogger, export_uri: str, registered_name: str, version_desc
 def final_baselines(ctx: StageContext, cfg: PretrainConfig, tokens: list[str]) -> dict:
     """The trivial predictors' held-out accuracy at the final evaluation's length (the phase it reads), with the
     plotting library loaded: run on the driver while the workers train, so that the stage's tail is short."""
-    from bertpipe.jobs.pretrain.baselines import baselines
-    from bertpipe.jobs.pretrain.curves import warm_plotting
-    from bertpipe.jobs.pretrain.masking import MaskingSpec
+    from bertpipe.jobs.pretrain.learning.baselines import baselines
+    from bertpipe.jobs.pretrain.learning.curves import warm_plotting
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec
     from bertpipe.pipeline.formats.shards import list_shards
 
     final_phase = cfg.phases[cfg.final_phase()]
@@ -361,7 +362,7 @@ def write_learning(ctx: StageContext, base: dict, history: list[dict],
     """The baselines of the final held-out evaluation (`final_baselines`), and the loss/accuracy curves, written
     beside the export and logged to MLflow; returns the baselines and the files written (relative to the stage
     folder)."""
-    from bertpipe.jobs.pretrain.curves import curve_pngs
+    from bertpipe.jobs.pretrain.learning.curves import curve_pngs
 
     files = {"baselines.json": json.dumps(base, indent=2).encode(),
              "history.json": json.dumps(history, indent=1).encode(), **curve_pngs(history, base)}

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bertpipe.jobs.pretrain.clock import StepClock
+from bertpipe.jobs.pretrain.metrics.step_clock import StepClock
 from bertpipe.jobs.pretrain.config import PhaseConfig
-from bertpipe.jobs.pretrain.masking import MaskingSpec
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import RunLogger
 

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.jobs.pretrain.masking import COLUMNS
+from bertpipe.jobs.pretrain.data.masking import COLUMNS
 from bertpipe.pipeline.framework import storage
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertpipe.jobs.pretrain.optim import FlatLayout, Lamb
+from bertpipe.jobs.pretrain.engine.optim import FlatLayout, Lamb
 
 
 def _fragment_segments(params: list[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:

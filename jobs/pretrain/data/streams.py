@@ -11,12 +11,12 @@ from typing import Iterator
 
 import numpy as np
 
-from bertpipe.jobs.pretrain import resume
+from bertpipe.jobs.pretrain.checkpointing import resume
 from bertpipe.jobs.pretrain.config import PhaseConfig
-from bertpipe.jobs.pretrain.eta import EVAL_BATCH
-from bertpipe.jobs.pretrain.heldout import read_heldout
-from bertpipe.jobs.pretrain.length_binning import length_binned
-from bertpipe.jobs.pretrain.resume import Position
+from bertpipe.jobs.pretrain.metrics.eta import EVAL_BATCH
+from bertpipe.jobs.pretrain.data.heldout import read_heldout
+from bertpipe.jobs.pretrain.data.length_binning import length_binned
+from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.worker import Worker, seed_of
 
 log = logging.getLogger("bertpipe.pretrain")

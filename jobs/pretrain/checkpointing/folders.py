@@ -1,8 +1,8 @@
-"""Pre-training checkpoints and the export, shared by the driver (which finds where a rerun resumes) and the
-workers (which save, load and export).
+"""Pre-training checkpoint folders, shared by the driver (which finds where a rerun resumes) and the workers (which
+save and load them).
 
 A checkpoint is DeepSpeed's files (every rank's ZeRO shards) under the tag `ckpt`, plus `position.json`: where in
-the data it was taken (resume.Position) and the layout it was taken with (identity.layout_of), so a resumed worker
+the data it was taken (resume.Position) and the layout it was taken with (runs.layout_of), so a resumed worker
 skips exactly what it had consumed, and a checkpoint of another worker count is re-partitioned (repartition.py).
 Checkpoints live under Ray Train's storage (`<workdir>/ray_results/<run name>` by default), outside the stage
 folder, so rerunning the stage after a crash continues instead of starting over.
@@ -18,12 +18,9 @@ import pyarrow.fs as pafs
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
 from bertpipe.pipeline.framework import storage
-from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS_MAP, TOKENIZER_CONFIG, tokenizer_files
 
 CKPT_TAG = "ckpt"
 STATE_FILE = "position.json"
-# What fine-tuning (and transformers' AutoModel / AutoTokenizer) loads.
-EXPORT_FILES = ("config.json", "model.safetensors", "vocab.txt", TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP)
 
 
 def _complete_step(ckpt: str, cfg: PretrainConfig) -> int | None:
@@ -151,8 +148,8 @@ def load(engine, checkpoint, now: dict, local_rank: int) -> dict:
 
 def load_dir(engine, d: str, now: dict, local_rank: int) -> dict:
     """`load` from a local folder (every rank calls it; `local_rank`: its rank on its node)."""
-    from bertpipe.jobs.pretrain import repartition
-    from bertpipe.jobs.pretrain.resume import repartition_needed
+    from bertpipe.jobs.pretrain.checkpointing import repartition
+    from bertpipe.jobs.pretrain.checkpointing.resume import repartition_needed
 
     with open(os.path.join(d, STATE_FILE), "rb") as f:
         raw = f.read()
@@ -162,36 +159,3 @@ def load_dir(engine, d: str, now: dict, local_rank: int) -> dict:
     else:
         engine.load_checkpoint(d, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
     return state
-
-
-def data_lowercase(heldout: dict[int, str]) -> bool:
-    """The casing the model was trained with: do_lower_case of its shards (the held-out ones, {length: uri}, as
-    the pairs stage recorded it); True (uncased) without shards."""
-    from bertpipe.pipeline.formats.shards import read_shard_meta
-
-    return bool(read_shard_meta(next(iter(heldout.values()))).get("do_lower_case", True)) if heldout else True
-
-
-def export(engine, vocab_bytes: bytes, export_uri: str, zero_stage: int, rank: int, run, lowercase: bool) -> None:
-    """HF-layout export (model.safetensors, config.json, vocab.txt and the tokenizer's files with its casing,
-    `lowercase`) to `export_uri` from rank 0, also logged to MLflow. Under ZeRO-3 every rank takes part in
-    gathering the full parameters."""
-    import deepspeed
-    import torch.distributed as dist
-
-    from bertpipe.model import save_pretrained
-
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None,
-                                           enabled=zero_stage == 3):
-        if rank == 0:
-            with tempfile.TemporaryDirectory() as d:
-                vocab_path = os.path.join(d, "vocab-source.txt")
-                with open(vocab_path, "wb") as f:
-                    f.write(vocab_bytes)
-                export_dir = os.path.join(d, "export")
-                save_pretrained(engine.module, export_dir, vocab_path, tokenizer_files=tokenizer_files(
-                    lowercase, engine.module.config.max_position_embeddings))
-                storage.upload_dir(export_dir, export_uri)
-                run.log_artifacts(export_dir, "export")
-    if dist.is_initialized():
-        dist.barrier()

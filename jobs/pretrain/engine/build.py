@@ -9,11 +9,11 @@ import time
 
 import torch
 
-from bertpipe.jobs.pretrain import zero_fast_paths
+from bertpipe.jobs.pretrain.engine import zero_fast_paths
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, bert_config
-from bertpipe.jobs.pretrain.deepspeed_config import deepspeed_config
-from bertpipe.jobs.pretrain.lamb_layout import attach_lamb_layouts
-from bertpipe.jobs.pretrain.optim import make_optimizer, make_scheduler
+from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
+from bertpipe.jobs.pretrain.engine.optim import make_optimizer, make_scheduler
 from bertpipe.model.training import param_groups
 
 log = logging.getLogger("bertpipe.pretrain")

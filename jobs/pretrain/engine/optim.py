@@ -42,7 +42,7 @@ class Lamb(torch.optim.Optimizer):
     Without a layout every tensor is one parameter (ZeRO 0: the model's tensors in fp32, one fp32 copy each in
     bf16/fp16). Under ZeRO 1/2 (any precision) and DeepSpeed's BF16_Optimizer the optimizer only sees flat fp32
     tensors (a rank's partition of a whole param group); `set_layout`
-    (jobs/pretrain/lamb_layout.py, after deepspeed.initialize) says which parameter segments each one holds. A
+    (jobs/pretrain/engine/lamb_layout.py, after deepspeed.initialize) says which parameter segments each one holds. A
     step then sums every parameter's partial ‖w‖² and ‖update‖² over its segments, adds them up across the
     data-parallel group with one all-reduce per step (one vector for all parameters: ZeRO 1/2 call step once per
     param group and the no-decay group needs no ratio), and scales each segment by its parameter's own ratio.

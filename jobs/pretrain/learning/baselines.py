@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
-from bertpipe.jobs.pretrain.masking import IGNORE_INDEX, MaskingSpec, collate
+from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, collate
 from bertpipe.pipeline.framework import storage
 
 BASELINE_SEED = 20_191  # any fixed value: the baseline's masks are the same on every run

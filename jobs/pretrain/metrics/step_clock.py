@@ -21,9 +21,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from bertpipe.jobs.pretrain import eta
+from bertpipe.jobs.pretrain.metrics import eta
 from bertpipe.jobs.pretrain.config import ModelConfig, bert_config
-from bertpipe.jobs.pretrain.meter import Meter
+from bertpipe.jobs.pretrain.metrics.meter import Meter
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 
 # What the loop may set time aside for; evaluations and checkpoints also leave the logging window's elapsed time

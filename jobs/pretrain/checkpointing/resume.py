@@ -1,5 +1,5 @@
 """Where a resumed pre-training run goes on when its layout changed (another worker count, another micro-batch:
-identity.py keeps such a run's name), and what carries over.
+runs.py keeps such a run's name), and what carries over.
 
 Carried over exactly, whatever the layout: the weights, the optimizer state (fp32 master weights, moments and step
 counts of every parameter: re-partitioned through DeepSpeed's universal checkpoint when the worker count changed
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
-from bertpipe.jobs.pretrain.length_binning import as_rows, concat_rows
+from bertpipe.jobs.pretrain.data.length_binning import as_rows, concat_rows
 
 
 @dataclass
