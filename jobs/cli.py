@@ -34,10 +34,10 @@ def _version() -> str:
 
 def _stages_help() -> str:
     """The stages `--only` / `--from` take, from the workflow's own list (opt-in ones named as such)."""
-    from bertpipe.jobs.workflow import STAGES
+    from bertpipe.jobs.workflow import stages
 
-    default = [s.name for s in STAGES if not s.opt_in]
-    opt_in = [s.name for s in STAGES if s.opt_in]
+    default = [s.name for s in stages.STAGES if not s.opt_in]
+    opt_in = [s.name for s in stages.STAGES if s.opt_in]
     return ", ".join(default) + (f"; opt-in: {', '.join(opt_in)}" if opt_in else "")
 
 
@@ -232,20 +232,19 @@ def _run_locked(args, cfg, only: list[str], selected: list[str]) -> int:
     console = args.console
     console_lines.header(console, cfg, config_name, resolved_tracking_uri(cfg), selected, log_path, copy_uri)
     console.go_live()
-    before = tracking.last_workflow_run()
+    summary = workflow.RunSummary()  # names the workflow's MLflow run once it exists, for a run that fails
 
     def finish(first: str, stage: str | None, fix: bool = True, failure: BaseException | None = None) -> None:
         """A failed or stopped run: the traceback on stderr where that is the job's log, the log file copied
         beside the outputs (remote workdir), then the closing lines."""
         if failure is not None and _traceback_on_stderr(cfg.workdir):
             _print_traceback(failure)
-        run = tracking.last_workflow_run()
-        failed = _copy_log(log_path, copy_uri, run if run != before else {})
+        failed = _copy_log(log_path, copy_uri, summary.workflow_run)
         _closing_lines(console, args, log_path, first, stage, fix, copy_uri, failed)
 
     try:
         summary = workflow.run(cfg, only=only or None, start=args.start, force=args.force, verbose=args.verbose,
-                               config_name=config_name, plans=plans, console=console)
+                               config_name=config_name, plans=plans, console=console, summary=summary)
     except workflow.StageFailed as exc:
         # INFO: into the log file with its traceback; the console gets the three lines below instead (and, where
         # the workdir is remote or this is a submitted Ray job, the traceback first: _traceback_on_stderr).

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
+from typing import NamedTuple
 
 from bertpipe.jobs.services import interrupts
 
@@ -23,9 +24,15 @@ WORKER_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 NOISY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air")
-# How this process came to Ray, set by ensure_ray: "local" (it started a local Ray), "cluster" (it connected), or
-# "" (Ray was already initialised by whoever called us, a test session say: not ours to stop).
-_started = ""
+
+
+class RayJoined(NamedTuple):
+    """What ensure_ray started or joined: the dashboard's URL, the cluster's address ("" for a local Ray), and how
+    this process came to Ray: "local" (it started a local Ray) or "cluster" (it connected)."""
+
+    dashboard_url: str
+    address: str
+    how: str
 
 
 def quiet_ray_loggers(verbose: bool) -> None:
@@ -83,12 +90,11 @@ def ensure_private_token() -> Path | None:
 
 
 def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True,
-               verbose: bool = False) -> tuple[str, str] | None:
+               verbose: bool = False) -> RayJoined | None:
     """Ray for this process: the cluster at `address` (or RAY_ADDRESS), else a local Ray of `num_cpus`. Returns
-    (dashboard URL, address) when it started or joined one now, None when Ray was up already."""
+    what it started or joined now; None when Ray was up already (whoever started it owns it: a test session, say)."""
     import ray
 
-    global _started
     if ray.is_initialized():
         return None
     address = address or os.environ.get("RAY_ADDRESS", "")
@@ -110,7 +116,6 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True,
         # would join that one and then refuse num_cpus); connecting to a cluster is what an address is for.
         info = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
                         runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=verbose, logging_level=level)
-    _started = "cluster" if address else "local"
     if not verbose:
         ray_errors_to_log()
     interrupts.reinstall()  # ray.init replaced the SIGTERM handler with one that aborts (exit 134)
@@ -118,26 +123,25 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True,
     data = ray.data.DataContext.get_current()
     data.enable_progress_bars = verbose
     data.print_on_execution_start = verbose
-    return getattr(info, "dashboard_url", "") or "", address
+    return RayJoined(getattr(info, "dashboard_url", "") or "", address, "cluster" if address else "local")
 
 
-def stop_writers(timeout_s: float = 30.0) -> None:
+def stop_writers(how: str, timeout_s: float = 30.0) -> None:
     """Stop every task this run has in flight, before its temporary files are removed.
 
     A local Ray this process started: shut down, waiting for Ray's own processes to exit, then for every worker the
     raylet had started (the processes that run tasks and write files); one still alive after `timeout_s` is killed.
     A cluster: the driver disconnects, which ends the job; the cluster then kills the job's workers itself, soon but
     asynchronously, so a task may still finish a write after this returns (its temporary name is removed by the
-    next run of the stage). A Ray this process did not start is left running: its owner decides."""
-    global _started
+    next run of the stage). A Ray this process did not start (`how` is "") is left running: its owner decides.
+    `how`: RayJoined.how of what ensure_ray started or joined."""
     import ray
 
-    if not _started or not ray.is_initialized():
+    if not how or not ray.is_initialized():
         return
-    workers = _local_ray_descendants() if _started == "local" else []
-    log.info("stopping the run's Ray tasks: ray.shutdown() (%s, %d worker processes)", _started, len(workers))
+    workers = _local_ray_descendants() if how == "local" else []
+    log.info("stopping the run's Ray tasks: ray.shutdown() (%s, %d worker processes)", how, len(workers))
     ray.shutdown(wait_for_processes=True)
-    _started = ""
     _wait_gone(workers, timeout_s)
 
 

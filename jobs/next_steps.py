@@ -13,6 +13,7 @@ import shlex
 from typing import Any
 
 from bertpipe.jobs import console_lines
+from bertpipe.jobs.glue.report import SMOKE_LABEL
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import WorkdirPaths
@@ -20,7 +21,6 @@ from bertpipe.pipeline.framework.stage import read_manifest
 
 log = logging.getLogger("bertpipe")
 UI_PORT = 5000  # `mlflow ui`'s default port
-SMOKE_LABEL = "smoke sample, NOT GLUE"
 
 
 def show(console: Console, cfg, args, selected: list[str], summary: list[dict[str, Any]], config_name: str) -> None:

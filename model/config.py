@@ -66,10 +66,6 @@ class BertConfig:
 
         return round_up(self.vocab_size, self.pad_vocab_to_multiple_of)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
     @classmethod
     def preset(cls, name: str, **overrides) -> BertConfig:
         """`BertConfig.preset("base", vocab_size=len(vocab))`; unknown preset or field → ValueError."""

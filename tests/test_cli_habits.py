@@ -21,6 +21,8 @@ import pytest
 import yaml
 
 from bertpipe.jobs import cli, config as config_module, workflow
+from bertpipe.jobs.workflow import stages
+from bertpipe.pipeline.framework.stage import Stage
 from bertpipe.jobs.config import config_as_dict, load_config, preset_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,9 +92,8 @@ def test_help_follows_the_codes_lists_not_a_copy_of_them(tmp_path, monkeypatch, 
     (tmp_path / "huge.yaml").write_text("seed: 1\n")
     (tmp_path / "small.yaml").write_text("seed: 2\n")
     monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)
-    extra = workflow.Stage("distill", ("pretrain",), ("pretrain",), "bertpipe.jobs.pretrain.stage:run_stage",
-                           opt_in=True)
-    monkeypatch.setattr(workflow, "STAGES", (*workflow.STAGES, extra))
+    extra = Stage("distill", lambda: None, ("pretrain",), ("pretrain",), opt_in=True)
+    monkeypatch.setattr(stages, "STAGES", (*stages.STAGES, extra))
     with pytest.raises(SystemExit) as done:
         cli.build_parser().parse_args(["run", "--help"])
     assert done.value.code == 0

@@ -87,10 +87,10 @@ def test_same_seed_same_bytes_other_seed_differs(built):
 
 
 def test_part_files_are_gone_and_buckets_divide_the_shards(built):
-    from bertpipe.pipeline.stages.pairs import MAX_BUCKETS, PARTS_DIR, num_buckets
+    from bertpipe.pipeline.stages.pairs import MAX_BUCKETS, PASS_PARTS_DIR, num_buckets
 
     tmp, cfg, _, runs, _ = built
-    assert not (tmp / "pairs0" / PARTS_DIR).exists()
+    assert not (tmp / "pairs0" / PASS_PARTS_DIR).exists()
     # With docs_per_partition=37 the ~90 training documents make several pools, each paired on its own.
     assert runs[0].metrics["documents"] > 2 * cfg.docs_per_partition
     assert [num_buckets(n) for n in (3, 8, 4096, 131, 200)] == [3, 8, MAX_BUCKETS, 1, 100]

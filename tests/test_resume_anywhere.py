@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 from bertpipe.jobs.pretrain import runs
+
 from bertpipe.jobs.pretrain.checkpointing import resume
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
-from bertpipe.jobs.pretrain.stage import run_stage
+from bertpipe.jobs.pretrain.stage import latest_start, run_stage
+from bertpipe.jobs.workflow.planning import context as workflow_context
 from pretrain_helpers import context, make_inputs, tiny_config
 
 
@@ -72,7 +74,7 @@ def rule_config(**kw) -> PretrainConfig:
 def test_the_same_layout_goes_on_where_it_stopped():
     cfg, two = rule_config(), runs.layout_of(2, [8], 1)
     at = Position(step=20, epoch=0, batch=40, sequences=320, dealt=8)
-    plan = resume.plan(at, two, two, cfg, ROWS)
+    plan = resume.resume_plan(at, two, two, cfg, ROWS)
     assert plan.position == at and not plan.repartition and plan.left_out == 0 and not plan.recut
     assert plan.carries == ("weights, optimizer state, LR schedule position and step 20 carry over exactly, and so "
                             "does the data position")
@@ -81,18 +83,18 @@ def test_the_same_layout_goes_on_where_it_stopped():
 def test_another_micro_batch_goes_on_with_the_sequences_not_trained_yet_re_cut():
     cfg, then, now = rule_config(), runs.layout_of(2, [8], 1), runs.layout_of(2, [4], 1)
     at = Position(step=20, epoch=3, batch=40, sequences=320, dealt=8)
-    plan = resume.plan(at, then, now, cfg, ROWS)
+    plan = resume.resume_plan(at, then, now, cfg, ROWS)
     assert plan.position == at and plan.recut == 4 and plan.left_out == 0 and not plan.repartition
     assert "re-cut from micro-batches of 8 into 4" in plan.carries and "not trained yet, in their order" in plan.carries
     # back to micro 8 after a checkpoint of the re-cut epoch: 324 is no whole number of micro-batches of 8
-    again = resume.plan(Position(step=21, epoch=3, batch=41, sequences=324, dealt=8), now, then, cfg, ROWS)
+    again = resume.resume_plan(Position(step=21, epoch=3, batch=41, sequences=324, dealt=8), now, then, cfg, ROWS)
     assert again.recut == 8 and again.position.sequences == 324
 
 
 def test_another_worker_count_leaves_out_the_rest_of_the_epoch_and_goes_on_with_the_next():
     cfg = rule_config()
     then, now = runs.layout_of(2, [8], 1), runs.layout_of(1, [8], 1)
-    plan = resume.plan(Position(step=20, epoch=0, batch=40, sequences=320, dealt=8), then, now, cfg, ROWS)
+    plan = resume.resume_plan(Position(step=20, epoch=0, batch=40, sequences=320, dealt=8), then, now, cfg, ROWS)
     # each of the 2 workers had 1600 rows and trained 320: 2 × 1280 never trained this epoch
     assert plan.position == Position(step=20, epoch=1) and plan.left_out == 2560 and plan.repartition
     assert plan.carries == (
@@ -101,21 +103,21 @@ def test_another_worker_count_leaves_out_the_rest_of_the_epoch_and_goes_on_with_
         "epoch in progress (2,560 sequences not trained yet) is left out and training goes on with the next epoch (no "
         "sequence of this one trained twice)")
     # 1 → 2: the one worker's share is all 3200 rows
-    back = resume.plan(Position(step=20, epoch=0, batch=80, sequences=640, dealt=8), now, then, cfg, ROWS)
+    back = resume.resume_plan(Position(step=20, epoch=0, batch=80, sequences=640, dealt=8), now, then, cfg, ROWS)
     assert back.left_out == 3200 - 640 and back.position == Position(step=20, epoch=1)
     # ZeRO 0 keeps no partitions: the data rule holds, nothing to re-partition
-    zero0 = resume.plan(Position(step=20, sequences=320, dealt=8), runs.layout_of(2, [8], 0),
-                        runs.layout_of(1, [8], 0), rule_config(zero_stage=0), ROWS)
+    zero0 = resume.resume_plan(Position(step=20, sequences=320, dealt=8), runs.layout_of(2, [8], 0),
+                               runs.layout_of(1, [8], 0), rule_config(zero_stage=0), ROWS)
     assert not zero0.repartition and zero0.left_out == 2560
 
 
 def test_a_checkpoint_at_an_epoch_start_or_a_phase_end_leaves_nothing_out():
     cfg = rule_config()
     then, now = runs.layout_of(2, [8], 2), runs.layout_of(1, [8], 2)
-    at_start = resume.plan(Position(step=50, epoch=1), then, now, cfg, ROWS)
+    at_start = resume.resume_plan(Position(step=50, epoch=1), then, now, cfg, ROWS)
     assert at_start.position == Position(step=50, epoch=1) and at_start.left_out == 0 and at_start.repartition
     assert "the data position is an epoch's start" in at_start.carries
-    ended = resume.plan(Position(step=200, epoch=3, batch=40, sequences=320, dealt=8), then, now, cfg, ROWS)
+    ended = resume.resume_plan(Position(step=200, epoch=3, batch=40, sequences=320, dealt=8), then, now, cfg, ROWS)
     assert ended.left_out == 0 and ended.position.step == 200
 
 
@@ -162,18 +164,15 @@ def test_a_micro_batch_change_mid_epoch_trains_every_sequence_of_the_epoch_once(
         batch["row"] = np.arange(i * 8, (i + 1) * 8)
 
     def run(w, cfg, position, end, batches):
-        w.spec = dataclasses.replace(w.spec, pretrain=cfg)
-        w.engine.set_train_micro_batch_size(cfg.phases[0].micro_batch_size)
-        w.engine.set_train_batch_size(16)
-        w.engine.micro_steps = 0  # as run_phase: a resume starts on an accumulation boundary
-        w.clock.start_phase(0)
-        return loop.run_epoch(w, position, end, {}, batches)[0]
+        w = eh.with_config(w, cfg)
+        loop.start_phase(w, 0)  # as run_phase: a resume starts on an accumulation boundary
+        return loop.run_epoch(w, position, end, batches)
 
     with eh.process_group():
         w = eh.worker(eight)
         taken = run(w, eight, Position(), 3, raw)
         assert taken == Position(step=3, epoch=0, batch=6, sequences=48, dealt=8)
-        goes_on = resume.plan(taken, runs.layout_of(1, [8], 1), runs.layout_of(1, [4], 1), four, {})
+        goes_on = resume.resume_plan(taken, runs.layout_of(1, [8], 1), runs.layout_of(1, [4], 1), four, {})
         assert goes_on.recut == 4
         end = run(w, four, goes_on.position, 7, raw)  # the epoch runs out before step 7
     assert end == Position(step=6, epoch=0, batch=18, sequences=96, dealt=8)
@@ -290,7 +289,10 @@ def test_status_says_what_pretraining_resumed_or_started_from(tmp_path, capsys):
     assert start_tags(started)["bertpipe.restarted_because"] == "no checkpoint of these settings yet"
     # a committed run newer than the run folder's record (its manifest keeps the same record)
     committed = {**started, "at": 3.0, "started_from": "the weights of /models/bert"}
-    assert workflow.pretrain_start(cli._config(args), {"extra": {"start": committed}}) == committed
+    cfg = cli._config(args)
+    pretrain = next(s for s in workflow.STAGES if s.name == "pretrain")
+    ctx = workflow_context(cfg, pretrain, {})
+    assert latest_start(ctx, {"extra": {"start": committed}}) == committed
     assert runs.describe_start(committed, "latest start: ") == (
         "latest start: training starts at step 0 from the weights of /models/bert (no checkpoint of these settings "
         "yet)")

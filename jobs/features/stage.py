@@ -21,7 +21,7 @@ def describe_raw_inputs(cfg: FeaturesConfig) -> list[dict]:
 
 
 def preflight(ctx: StageContext) -> None:
-    cfg: FeaturesConfig = ctx.config["features"]
+    cfg = ctx.section(FeaturesConfig)
     require_file(cfg.input_file, "features.input_file", "CoNLL file")
     check_init(ctx, "features")
     read_conll(cfg.input_file, cfg.entity_types)
@@ -31,7 +31,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     import ray
 
     started = time.perf_counter()
-    cfg: FeaturesConfig = ctx.config["features"]
+    cfg = ctx.section(FeaturesConfig)
     sentences = read_conll(cfg.input_file, cfg.entity_types).sentences
     init = init_uri(ctx, cfg.init)
     rows = [{"sentence": i, "words": s.words, "tags": s.tags} for i, s in enumerate(sentences)]

@@ -83,7 +83,7 @@ def check_glue_dir(cfg: GlueConfig) -> None:
 
 def preflight(ctx: StageContext) -> None:
     """Before anything runs: an explicit init is a BERT checkpoint, and the GLUE folder has what the tasks need."""
-    cfg: GlueConfig = ctx.config["glue"]
+    cfg = ctx.section(GlueConfig)
     task_names(cfg)
     check_init(ctx, "glue")
     check_glue_dir(cfg)
@@ -181,7 +181,7 @@ def write_report(out_uri: str, outcomes: list[TaskOutcome], smoke: bool) -> tupl
 
 def run_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
-    cfg: GlueConfig = ctx.config["glue"]
+    cfg = ctx.section(GlueConfig)
     smoke = not cfg.glue_data_dir
     glue_dir = cfg.glue_data_dir or write_sample(storage.join(ctx.output_uri, "smoke_glue"), seed=ctx.seed)
     if smoke:
@@ -213,3 +213,12 @@ def run_stage(ctx: StageContext) -> StageResult:
                "tasks": {o.spec.name: {"status": o.status, "error": o.errors} for o in outcomes}},
         outputs=["summary.md", "summary.csv", *models, *(f"submission/{n}" for n in submission),
                  *(["submission.zip"] if submission else [])])
+
+
+def headline_metrics(manifest_metrics: dict[str, Any]) -> dict[str, float]:
+    """The best dev score of every task (glue/<task>) and the GLUE averages, as fractions (one scale in MLflow)."""
+    metrics = as_fractions(manifest_metrics)
+    out = {f"glue/{k[4:]}": v for k, v in metrics.items() if k.startswith("dev.")}
+    names = {"glue_score": "glue/score", "bert_paper_average": "glue/bert_paper_average"}
+    out.update({name: metrics[n] for n, name in names.items() if isinstance(metrics.get(n), (int, float))})
+    return out

@@ -58,10 +58,6 @@ class TaskSpec:
     def is_regression(self) -> bool:
         return self.labels is None
 
-    @property
-    def is_pair(self) -> bool:
-        return self.train.text_b is not None
-
 
 def _one(name: str) -> tuple[tuple[str, str], ...]:
     return ((name, "dev.tsv"),)

@@ -31,7 +31,7 @@ def describe_raw_inputs(cfg: NerConfig) -> list[dict]:
     return file_checksums([cfg.train_file, cfg.eval_file], "CoNLL file")
 
 
-def load_data(cfg: NerConfig):
+def load_conll_data(cfg: NerConfig):
     """(NerData, train file, eval file): both read and checked (StageInputError naming file:line)."""
     train = read_conll(cfg.train_file, cfg.entity_types, cfg.scheme)
     evaluation = read_conll(cfg.eval_file, cfg.entity_types, cfg.scheme)
@@ -40,13 +40,13 @@ def load_data(cfg: NerConfig):
 
 def preflight(ctx: StageContext) -> None:
     check_train_eval(ctx, "ner", "CoNLL")
-    load_data(ctx.config["ner"])
+    load_conll_data(ctx.section(NerConfig))
 
 
 def run_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
-    cfg: NerConfig = ctx.config["ner"]
-    data, train, evaluation = load_data(cfg)
+    cfg = ctx.section(NerConfig)
+    data, train, evaluation = load_conll_data(cfg)
     init = init_uri(ctx, cfg.init)
     log.info("ner: %d train / %d eval sentences (%s / %s), init %s", len(data.train), len(data.eval), train.scheme,
              evaluation.scheme, init)

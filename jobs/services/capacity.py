@@ -16,7 +16,7 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 SAY_EVERY_S = 10.0
-POLL_S = 1.0
+CAPACITY_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def wait_for(need: Need, wait_s: float, resources: Callable[[], dict[str, float]
         if now >= next_say:
             say(need.waiting_line(cluster, wait_s - (now - started)))
             next_say = now + SAY_EVERY_S
-        sleep(POLL_S)
+        sleep(CAPACITY_POLL_S)
 
 
 def ask_autoscaler(need: Need) -> None:

@@ -16,7 +16,7 @@ import yaml
 
 from bertpipe.pipeline.framework import storage
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 YAML11_BOOL_WORDS = {"on", "off", "yes", "no", "y", "n"}
 
 
@@ -95,7 +95,7 @@ def _coerce_scalar(value: Any, annotation: Any, where: str) -> Any:
     return value
 
 
-def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+def from_dict(cls: type[_T], data: dict[str, Any], where: str = "") -> _T:
     """Build dataclass `cls` from a mapping; unknown keys raise ConfigError naming them."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -185,7 +185,7 @@ def absolute(value: str, base: str) -> str:
     return os.path.normpath(os.path.join(base, os.path.expanduser(value)))
 
 
-def resolve_paths(obj: T, base: str) -> T:
+def resolve_paths(obj: _T, base: str) -> _T:
     """A copy of config `obj` whose every path field (`pipeline.framework.config_fields.path_field`, at any depth) is
     absolute or a URI.
 

@@ -32,7 +32,7 @@ def describe_raw_inputs(cfg: SquadConfig) -> list[dict]:
     return file_checksums([cfg.train_file, cfg.eval_file], "SQuAD file")
 
 
-def load_data(cfg: SquadConfig) -> SquadData:
+def load_squad_data(cfg: SquadConfig) -> SquadData:
     """Both sets, checked (StageInputError naming the file and question id); the eval set decides the version."""
     train = read_squad(cfg.train_file, cfg.train_articles)
     evaluation = read_squad(cfg.eval_file, cfg.eval_articles)
@@ -50,7 +50,7 @@ def load_data(cfg: SquadConfig) -> SquadData:
 
 def preflight(ctx: StageContext) -> None:
     check_train_eval(ctx, "squad", "SQuAD")
-    load_data(ctx.config["squad"])
+    load_squad_data(ctx.section(SquadConfig))
 
 
 def write_outputs(uri: str, best, table: str, version_2: bool) -> list[str]:
@@ -67,8 +67,8 @@ def write_outputs(uri: str, best, table: str, version_2: bool) -> list[str]:
 
 def run_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
-    cfg: SquadConfig = ctx.config["squad"]
-    data = load_data(cfg)
+    cfg = ctx.section(SquadConfig)
+    data = load_squad_data(cfg)
     init = init_uri(ctx, cfg.init)
     log.info("squad: %d train / %d eval questions (v%s), init %s", len(data.train), len(data.eval),
              "2.0" if data.version_2 else "1.1", init)

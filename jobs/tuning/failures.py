@@ -39,6 +39,6 @@ def requested_failed(what: str, failures: dict[str, str], total: int, stage_uri:
     listed = "; ".join(f"{name}: {one_line(cause)}" for name, cause in failures.items())
     text = f"{len(failures)} of {total} requested {what} failed: {listed}"
     if kept:
-        text += (f"; {kept} finished trial{'s' if kept > 1 else ''} kept in {storage.join(stage_uri, parts.PARTS_DIR)}"
+        text += (f"; {kept} finished trial{'s' if kept > 1 else ''} kept in {storage.join(stage_uri, parts.TRIALS_DIR)}"
                  ", a rerun with the same config retries only the failed ones")
     return (TasksUnreadable if input_only else TrialsFailed)(text)

@@ -15,7 +15,7 @@ from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.pipeline.framework import parts
 from bertpipe.pipeline.framework.stage import SCHEMA_VERSION
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 # Recipe fields that choose the grid, where the data or model come from (their checksums are in the key), or how
 # many trials run at once: none changes what one trial computes.
 NOT_IN_KEY = ("tasks", "learning_rates", "seeds", "max_concurrent_trials", "glue_data_dir", "init", "train_file",
@@ -46,7 +46,7 @@ def save(stage_uri: str, part: str, key: str, result: Any) -> None:
     parts.commit(stage_uri, part, key, to_dict(result))
 
 
-def restore(stage_uri: str, part: str, key: str, cls: type[T]) -> T | None:
+def restore(stage_uri: str, part: str, key: str, cls: type[_T]) -> _T | None:
     """The kept result of a trial with this key, or None (none kept, another key, a file gone, another shape)."""
     data = parts.load_committed(stage_uri, part, key)
     names = {f.name for f in dataclasses.fields(cls)}

@@ -23,7 +23,7 @@ from typing import Any
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.framework.stage import safe_relative
 
-PARTS_DIR = "_trials"
+TRIALS_DIR = "_trials"
 MARKER = "_DONE.json"
 
 
@@ -34,10 +34,10 @@ def _uri(stage_uri: str, rel: str) -> str:
 def _markers(stage_uri: str) -> dict[str, dict[str, Any]]:
     """{part (path relative to the stage folder): marker} for every marker that parses as an object."""
     out = {}
-    for rel, _ in storage.list_all(storage.join(stage_uri, PARTS_DIR))[0]:
+    for rel, _ in storage.list_all(storage.join(stage_uri, TRIALS_DIR))[0]:
         if posixpath.basename(rel) != MARKER:
             continue
-        part = posixpath.join(PARTS_DIR, posixpath.dirname(rel))
+        part = posixpath.join(TRIALS_DIR, posixpath.dirname(rel))
         try:
             marker = json.loads(storage.read_text(_uri(stage_uri, f"{part}/{MARKER}")))
         except (OSError, ValueError):
@@ -65,7 +65,7 @@ def count(stage_uri: str) -> int:
 
 def part_path(*names: str) -> str:
     """The part folder of a trial named by `names` (e.g. "MRPC", "lr=2e-05", "seed=1"), relative to the stage."""
-    return posixpath.join(PARTS_DIR, *names)
+    return posixpath.join(TRIALS_DIR, *names)
 
 
 def load_committed(stage_uri: str, part: str, key: str) -> dict[str, Any] | None:
@@ -107,4 +107,4 @@ def drop_all_but(stage_uri: str, wanted: set[str]) -> None:
 
 
 def drop_all(stage_uri: str) -> None:
-    storage.delete_dir(storage.join(stage_uri, PARTS_DIR))
+    storage.delete_dir(storage.join(stage_uri, TRIALS_DIR))

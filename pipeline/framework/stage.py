@@ -13,7 +13,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.framework.console import Console
@@ -45,6 +45,9 @@ class StageInput:
     explicit: bool = False
 
 
+SectionT = TypeVar("SectionT")
+
+
 @dataclass
 class StageContext:
     """Everything a stage run needs; stages must not read global state."""
@@ -68,6 +71,9 @@ class StageContext:
     wait_for_resources_s: float = 0.0
     # The run's console (the CLI's, live; by default one that shows no progress): progress, statuses, lines.
     console: Console = field(default_factory=Console)
+    # CPUs of the local Ray this run starts (ray.num_cpus); 0 when it connects to a cluster, whose size a stage
+    # learns from Ray itself. A preflight refuses at once a layout that could never start on the local Ray.
+    local_ray_cpus: int = 0
 
     def __post_init__(self) -> None:
         if self.paths is None:
@@ -77,6 +83,14 @@ class StageContext:
 
     def input(self, name: str) -> StageInput:
         return self.inputs[name]
+
+    def section(self, kind: type[SectionT]) -> SectionT:
+        """The config section of type `kind` this stage declared (`ctx.section(PretrainConfig)`), typed."""
+        found = [v for v in self.config.values() if isinstance(v, kind)]
+        if len(found) != 1:
+            raise TypeError(f"stage {self.name} has {len(found)} config sections of type {kind.__name__} "
+                            f"(its sections: {', '.join(self.config) or 'none'})")
+        return found[0]
 
 
 @dataclass
@@ -94,6 +108,66 @@ class StageResult:
     # What the workflow logs into the stage's MLflow run as its summary (one value each, at step 0), when not
     # `metrics` itself: a stage whose MLflow names differ from its manifest's (pre-training) sets it.
     mlflow_summary: dict[str, float] | None = None
+
+
+class StageModule(Protocol):
+    """What the code of a stage provides (pipeline/stages/clean.py, jobs/pretrain/stage.py, ...)."""
+
+    def describe_raw_inputs(self, section: Any) -> list[dict[str, Any]]:
+        """The raw inputs named in the stage's first config section, each {"uri", "size", "checksum"} (they
+        enter its fingerprint); [] when it reads none."""
+
+    def preflight(self, ctx: StageContext) -> None:
+        """Before anything of the run starts: raises StageInputError / ValueError on bad input."""
+
+    def run_stage(self, ctx: StageContext) -> StageResult:
+        """Writes the stage's outputs under ctx.output_uri (the workflow writes the manifest)."""
+
+
+@runtime_checkable
+class ReportsHeadline(Protocol):
+    """A stage whose results head the workflow's MLflow run (what two workflow runs are compared by)."""
+
+    def headline_metrics(self, manifest_metrics: dict[str, Any]) -> dict[str, float]:
+        """{MLflow name: value} from the metrics of the stage's committed manifest."""
+
+
+@runtime_checkable
+class ReportsStart(Protocol):
+    """A stage whose `bertpipe status` row also says where its latest run started from (pre-training)."""
+
+    def latest_start(self, ctx: StageContext, manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+        """What the stage's latest run resumed or started from, as it recorded it; None when nothing is known."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage as the workflow knows it, declared once in the stage list (jobs/workflow/stages.py): everything the
+    workflow needs of it besides its code, which `code` imports only when the stage is planned or run (stage code
+    pulls in torch, DeepSpeed, Ray: `bertpipe --help` and `bertpipe status` must not wait for them)."""
+
+    name: str
+    code: Callable[[], StageModule]
+    sections: tuple[str, ...]      # config sections that define the stage (its fingerprint and MLflow params)
+    inputs: tuple[str, ...] = ()   # upstream stages whose committed output it reads
+    # upstream stage -> the config field ("section.key") that names that input explicitly instead
+    explicit: tuple[tuple[str, str], ...] = ()
+    # upstream stage -> a config field that, when set (and the input is not named explicitly), makes the stage read
+    # nothing of that upstream: a vocab stage given an existing vocab.txt reads no documents.
+    unneeded_when: tuple[tuple[str, str], ...] = ()
+    # Config sections its preflight also reads, outside its fingerprint: checks against a stage that runs before
+    # it in the same workflow (pre-training's phases against the lengths pairs will write).
+    preflight_reads: tuple[str, ...] = ()
+    unit: str = "rows"             # what its manifest's num_rows counts, as the console says it ("40 steps")
+    old_names: tuple[str, ...] = ()  # names it had: `--only` / `--from` still take them, with a warning
+    training: bool = False         # MLflow system metrics (CPU, memory, GPU) are logged while it runs
+    # Runs only when named (`--only squad`, `--from squad`): a job the default workflow leaves out because it
+    # needs data the user must point at (SQuAD and CoNLL files).
+    opt_in: bool = False
+    # The names the stage writes in its folder (glob patterns, `*` crossing folders), announced in the run record
+    # before it writes: a run killed outright leaves files the next run knows as its own
+    # (pipeline/framework/outputs.py). tests/test_crash_resume.py checks them against what real runs write.
+    writes: tuple[str, ...] = ()
 
 
 def manifest_uri(output_uri: str) -> str:

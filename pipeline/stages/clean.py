@@ -52,7 +52,7 @@ def describe_raw_inputs(cfg: CleanConfig) -> list[dict[str, Any]]:
 def preflight(ctx: StageContext) -> None:
     """Before Ray starts: every dump exists (describe_raw_inputs, run by the plan) and its head is a MediaWiki
     pages dump, so an empty, non-bz2 or non-Wikipedia file fails in milliseconds with one line."""
-    for uri in expand_inputs(ctx.config["clean"].input):
+    for uri in expand_inputs(ctx.section(CleanConfig).input):
         check_dump_head(uri)
 
 
@@ -220,7 +220,7 @@ def _clean_units(units: list[ReadUnit], cfg: CleanConfig, output_uri: str,
 
 
 def run_stage(ctx: StageContext) -> StageResult:
-    cfg: CleanConfig = ctx.config["clean"]
+    cfg = ctx.section(CleanConfig)
     started = time.perf_counter()
     raw_inputs = describe_raw_inputs(cfg)
     units: list[ReadUnit] = []

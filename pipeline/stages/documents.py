@@ -149,11 +149,6 @@ def iter_piece_texts(pieces: list[TextPiece], batch_rows: int = 1024) -> Iterato
             raise StageInputError(f"cannot read documents {piece.uri}: {exc}") from exc
 
 
-def iter_texts(files: list[str], batch_rows: int = 1024) -> Iterator[list[str]]:
-    """Document texts of whole files, one batch at a time."""
-    return iter_piece_texts([TextPiece(uri) for uri in files], batch_rows)
-
-
 def _text_file_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"id": d["id"], "text": d["text"]} for d in text_documents(_read_bytes(row["uri"]), row["uri"])]
 

@@ -213,7 +213,7 @@ def pair_table(flat: np.ndarray, bounds: list[list[int]], *, max_seq_length: int
 # one record batch each, and bucket g becomes num_shards / G shards. More buckets would mean more, smaller
 # reads for the reducers in every part file.
 MAX_BUCKETS = 128
-PARTS_DIR = "_parts"
+PASS_PARTS_DIR = "_parts"
 _COUNTERS = ("doc_passes", "short_targets", "no_other_document", "random_next", "instance_tokens")
 
 
@@ -362,13 +362,26 @@ def show_instances(ctx: StageContext, shard_uri: str, tokens: list[str]) -> str:
 # ------------------------------------------------------------------------------------------------ the stage
 
 
+def describe_raw_inputs(cfg: PairsConfig) -> list[dict]:
+    """None: pairs reads only stage outputs (the documents and the vocabulary), which enter its fingerprint by their
+    manifests' output ids."""
+    return []
+
+
+def preflight(ctx: StageContext) -> None:
+    """Before Ray starts: a vocab.txt the user names (vocab.path) reads as UTF-8 and has the special tokens."""
+    path = ctx.section(VocabConfig).path
+    if path:
+        load_vocab(path)
+
+
 def _lowercase(ctx: StageContext) -> bool:
     """do_lower_case as the vocab stage recorded it (its manifest), else the vocab config, else BERT's default."""
     extra = (ctx.input("vocab").manifest or {}).get("extra", {})
     if "do_lower_case" in extra:
         return bool(extra["do_lower_case"])
-    cfg = ctx.config.get("vocab")
-    return cfg.lowercase if isinstance(cfg, VocabConfig) else True
+    cfg = [v for v in ctx.config.values() if isinstance(v, VocabConfig)]
+    return cfg[0].lowercase if cfg else True
 
 
 def _first_pass(ctx: StageContext, cfg: PairsConfig, files: list[str], block_kwargs: dict) -> list[dict]:
@@ -433,7 +446,7 @@ def _second_pass(ctx, cfg, rows, length, seed, schema, parts_uri) -> dict:
 
 
 def run_stage(ctx: StageContext) -> StageResult:
-    cfg: PairsConfig = ctx.config["pairs"]
+    cfg = ctx.section(PairsConfig)
     started = time.time()
     vocab_uri = vocab_file(ctx.input("vocab").uri)
     tokens_list = load_vocab(vocab_uri)
@@ -442,7 +455,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     docs = ctx.input("clean")
     files = document_files(docs.uri, docs.manifest)
     v_hash = vocab_hash(vocab_uri)
-    parts_uri = storage.join(ctx.output_uri, PARTS_DIR)
+    parts_uri = storage.join(ctx.output_uri, PASS_PARTS_DIR)
     seeds = {length: derive_seed(ctx.seed, "pairs", length) % 2**31 for length in cfg.max_seq_lengths}
     pair_kwargs = dict(short_seq_prob=cfg.short_seq_prob, cls_id=specials["[CLS]"], sep_id=specials["[SEP]"],
                        id_type=shards.id_type(len(tokens_list)))

@@ -166,13 +166,13 @@ def describe_raw_inputs(cfg: VocabConfig) -> list[dict]:
 def preflight(ctx: StageContext) -> None:
     """Before Ray starts: a vocab.txt the user names (vocab.path) reads as UTF-8 and has the special tokens, for the
     vocab stage and for the stages that take it as their vocabulary."""
-    path = ctx.config["vocab"].path
+    path = ctx.section(VocabConfig).path
     if path:
         load_vocab(path)
 
 
 def run_stage(ctx: StageContext) -> StageResult:
-    cfg: VocabConfig = ctx.config["vocab"]
+    cfg = ctx.section(VocabConfig)
     started = time.time()
     out_vocab = storage.join(ctx.output_uri, VOCAB_FILE)
     if cfg.path:
