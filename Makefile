@@ -54,8 +54,10 @@ test: setup-test
 	$(BIN)/bertpipe fetch-sample
 	$(BIN)/python -m pytest -q --durations=25 -m "not slow"
 
+# The slow tier: what `make test` leaves out of a developer's loop. CI (.ci/run) runs it after `make test`.
 test-slow: setup-test
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/bertpipe fetch-sample
+	$(BIN)/python -m pytest -q --durations=15 -m slow
 
 test-fast: setup-test
 	$(BIN)/python -m pytest -q -m "not integration"
