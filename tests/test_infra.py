@@ -167,13 +167,9 @@ def test_image_pins_are_the_tested_versions():
     locks/cuda.txt, the Dockerfile's default LOCK (tests/test_lock.py checks it against the product's closure)."""
     import importlib.metadata as md
 
-    pins = {}
-    for raw in (INFRA.parent / "locks" / "cuda.txt").read_text().splitlines():
-        line, _, comment = (part.strip() for part in raw.partition("#"))
-        if line and not comment.startswith("unresolved"):  # NVIDIA wheels the lock's index did not serve
-            name, sep, version = line.partition("==")
-            assert sep, f"unpinned requirement in locks/cuda.txt: {line!r}"
-            pins[re.sub(r"[-_.]+", "-", name.strip()).lower()] = version.strip()
+    from test_lock import pins as lock_pins  # the strict reader: an entry that is not an exact pin fails there
+
+    pins = lock_pins("cuda.txt")
     for package in ("ray", "torch", "deepspeed", "mlflow", "tokenizers", "pyarrow"):
         assert pins[package] == md.version(package).split("+")[0], package
     assert "psycopg2-binary" in pins  # the MLflow server's PostgreSQL driver lives in the same image
