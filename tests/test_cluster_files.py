@@ -26,6 +26,10 @@ RAYJOB, RAYCLUSTER, LAUNCHER = "kuberay/rayjob.yaml", "kuberay/raycluster.yaml",
 # feature discovery (GPU operator) sets, the card's name with spaces as dashes. EC2: the GPU instance type.
 GPU_PRODUCT_GB = {
     "NVIDIA-H100-80GB-HBM3": 80,
+    "NVIDIA-H100-PCIe": 80,
+    "NVIDIA-H100-NVL": 94,
+    "NVIDIA-H200": 141,
+    "NVIDIA-H200-NVL": 141,
     "NVIDIA-A100-SXM4-80GB": 80,
     "NVIDIA-A100-80GB-PCIe": 80,
     "NVIDIA-A100-SXM4-40GB": 40,
@@ -70,20 +74,30 @@ def cpus(quantity) -> float:
 
 
 def kuberay_cards(pod_spec: dict) -> tuple[int, ...]:
-    """GB of every card a pod may land on by its nodeSelector / required node affinity on the product label."""
+    """GB of every card a pod is sent to by the product label: its nodeSelector, else its required node affinity,
+    else its preferred one (the manifests' way: a required label that no node carries keeps the pod Pending)."""
     selector = pod_spec.get("nodeSelector", {})
     if PRODUCT_LABEL in selector:
         return (GPU_PRODUCT_GB[selector[PRODUCT_LABEL]],)
-    required = pod_spec.get("affinity", {}).get("nodeAffinity", {}).get(
-        "requiredDuringSchedulingIgnoredDuringExecution", {})
+    affinity = pod_spec.get("affinity", {}).get("nodeAffinity", {})
+    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution", {})
     cards = []
     for term in required.get("nodeSelectorTerms", []):  # terms are ORed: every one must pin the product
-        values = [e["values"] for e in term.get("matchExpressions", [])
-                  if e["key"] == PRODUCT_LABEL and e["operator"] == "In"]
+        values = product_values(term)
         if not values:
             return ()
-        cards += [GPU_PRODUCT_GB[v] for v in values[0]]  # an unknown product is a KeyError: add it to the table
+        cards += values
+    if cards:
+        return tuple(cards)
+    for preferred in affinity.get("preferredDuringSchedulingIgnoredDuringExecution", []):
+        cards += product_values(preferred["preference"])
     return tuple(cards)
+
+
+def product_values(term: dict) -> list[int]:
+    """GB of the cards a node selector term names by the product label (an unknown product is a KeyError: add it)."""
+    return [GPU_PRODUCT_GB[v] for e in term.get("matchExpressions", [])
+            if e["key"] == PRODUCT_LABEL and e["operator"] == "In" for v in e["values"]]
 
 
 def kuberay_group(spec: dict, where: str) -> GpuGroup:
@@ -292,7 +306,7 @@ def test_the_checks_fail_a_cluster_or_command_that_does_not_fit():
     gpu_pod = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
     small = copy.deepcopy(job)
     term = small["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["affinity"]["nodeAffinity"]
-    term["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0][
+    term["preferredDuringSchedulingIgnoredDuringExecution"][0]["preference"]["matchExpressions"][0][
         "values"].append("NVIDIA-A100-SXM4-40GB")
     assert any("may get 40 GB" in p for p in problems(entrypoint, group_of(RAYJOB, small)))
     del gpu_pod["affinity"]
