@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from bertpipe.jobs.export_card import CARD_FILES
 from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig
@@ -79,7 +80,7 @@ def test_zero1_learns_and_tracks_mlflow(straight, data):
     assert m["loss"] < initial - 0.4, m
     assert m["eval_mlm_accuracy"] > baseline_accuracy(data[1]) + 0.05, m
     assert (Path(ctx.output_uri) / "metrics.json").is_file()
-    assert sorted(p.name for p in (Path(ctx.output_uri) / "export").iterdir()) == sorted(EXPORT_FILES)
+    assert sorted(p.name for p in (Path(ctx.output_uri) / "export").iterdir()) == sorted(EXPORT_FILES + CARD_FILES)
     # MLflow: params, metric histories, DeepSpeed JSON and export artifacts
     run = client.get_run(run_id)
     assert run.data.params["pretrain.zero_stage"] == "1" and run.data.params["model.preset"] == "tiny"
@@ -147,7 +148,7 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
     assert m["loss"] < math.log(len(TOKENS)) + math.log(2) - 0.4, m
     assert m["seq_length"] == 64
     assert m["eval_mlm_accuracy"] > baseline_accuracy(inputs, 64) + 0.05, m
-    assert sorted(p.name for p in (Path(ctx.output_uri) / "export").iterdir()) == sorted(EXPORT_FILES)
+    assert sorted(p.name for p in (Path(ctx.output_uri) / "export").iterdir()) == sorted(EXPORT_FILES + CARD_FILES)
     run_dir = Path(result.extra["checkpoints"])
     ckpt = latest_checkpoint(str(run_dir.parent), run_dir.name, cfg)
     assert ckpt and json.loads((Path(ckpt) / STATE_FILE).read_text())["step"] == STEPS, ckpt

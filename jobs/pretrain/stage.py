@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bertpipe.jobs import export_card
 from bertpipe.jobs.services.capacity import FIX, Need, ask_autoscaler, release_request, wait_for
 from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.jobs.services.interrupts import Interrupted
@@ -429,6 +430,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     metrics, learning_files = final_metrics(ctx, result, early_baselines.result(), run)
     metrics["seconds"] = time.time() - started
     storage.write_text_atomic(storage.join(ctx.output_uri, "metrics.json"), json.dumps(metrics, indent=2))
+    learning_files += export_card.write(ctx, metrics, run)  # the export's README.md and tokenizer.json: Hub-ready
     registered = ctx.tracking.get("registered_model", "")
     with ctx.console.doing(f"pretrain: registering the model in MLflow as {registered}"):
         model_uri = register(run, spec.export_uri, registered,
