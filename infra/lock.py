@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         prefer_file.write_text("".join(v + "\n" for v in prefer.values()))
 
         src = tmp / "src"  # the project as the image copies it: the build writes nothing into the repo
-        for rel in ("pyproject.toml", "README.md", "pipeline", "model", "jobs"):
+        for rel in ("pyproject.toml", "README.md", "pipeline", "model", "jobs", "configs"):  # what pyproject packages
             if (REPO / rel).is_dir():
                 shutil.copytree(REPO / rel, src / rel, ignore=shutil.ignore_patterns("__pycache__"))
             else:
@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run(*pip, "install", "--quiet", "-c", str(prefer_file), str(src), *IMAGE_EXTRA)
         except subprocess.CalledProcessError:
-            raise SystemExit("lock: pyproject.toml asks for versions the current locks exclude: `make lock UPGRADE=1`")
+            raise SystemExit("lock: the project did not install (pip's error above): a package directory infra/lock.py "
+                             "does not copy, or versions the current locks exclude (`make lock UPGRADE=1`)")
         cpu = freeze(pip)
         cpu_file = tmp / "cpu.txt"
         cpu_file.write_text("".join(v + "\n" for v in cpu.values()))
