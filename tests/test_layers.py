@@ -1,6 +1,7 @@
-"""The layers of the product and the imports allowed between them, as one table (README "House rules" draws the
-same picture). Every import counts, in any function, and so does a string naming a module ("module:function" stage
-references, `importlib` names): a layer that reaches one it may not import fails here, not in a review."""
+"""The layers of the product and the imports allowed between them, as one table (docs/contributing.md, "House rules",
+draws the same picture). Every import counts, in any function, and so does a string naming a module
+("module:function" stage references, `importlib` names): a layer that reaches one it may not import fails here, not
+in a review."""
 from __future__ import annotations
 
 import ast
@@ -130,9 +131,9 @@ def test_a_forbidden_import_is_found(tmp_path):
 
 
 def test_the_readme_draws_the_same_table():
-    """README "House rules" pictures the layers as `layer -> what it may import   folders`; it says what MAY_IMPORT
-    says."""
-    readme = (REPO / "README.md").read_text()
+    """docs/contributing.md "House rules" pictures the layers as `layer -> what it may import   folders`; it says what
+    MAY_IMPORT says."""
+    readme = (REPO / "docs" / "contributing.md").read_text()
     rules = readme[readme.index("## House rules"):]
     drawn = {m.group(1): set() if m.group(2) == "(nothing)" else set(m.group(2).split())
              for m in re.finditer(r"^  (\w+) +-> (\(nothing\)|[\w ]+?)  ", rules, re.MULTILINE)}

@@ -8,28 +8,37 @@ test_workflow.py and test_cluster_e2e.py, `bertpipe config` / `--version` / `sub
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bertpipe.jobs.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", REPO / "infra" / "README.md"]
+DOCS = [REPO / "README.md", REPO / "infra" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+# Code blocks that show what a program printed or a file holds, not commands to type.
+NOT_COMMANDS = {"text", "console", "yaml", "json", "python"}
 
 
 def _commands(prefix: str) -> list[tuple[str, str]]:
     out = []
     for doc in DOCS:
-        in_block = False
+        in_block, shown = False, False
         for line in doc.read_text().splitlines():
             if line.startswith("```"):
                 in_block = not in_block
+                shown = in_block and line[3:].strip() in NOT_COMMANDS
                 continue
             text = line.split(" #", 1)[0].strip()
-            if in_block and text.startswith(prefix):
+            if in_block and not shown and text.startswith(prefix):
                 out.append((doc.name, text))
     return out
 
@@ -75,3 +84,65 @@ def test_docs_name_existing_files():
     for doc in DOCS:
         for path in re.findall(r"`((?:infra|configs|jobs|pipeline|model|benchmarks|tests)/[\w./-]+)`", doc.read_text()):
             assert (REPO / path).exists() or (doc.parent / path).exists(), f"{doc.name} names missing {path}"
+
+
+def _bash_blocks(doc: Path) -> list[list[str]]:
+    """Every ```bash block of `doc`, as its lines."""
+    blocks, block = [], None
+    for line in doc.read_text().splitlines():
+        if block is None and line.strip() == "```bash":
+            block = []
+        elif block is not None and line.startswith("```"):
+            blocks.append(block)
+            block = None
+        elif block is not None:
+            block.append(line)
+    return blocks
+
+
+def _cluster_blocks() -> list[list[str]]:
+    """The README's blocks that apply the RayJob (the first screen's and the cluster section's), comments dropped."""
+    return [[line.split("   #", 1)[0].rstrip() for line in block] for block in _bash_blocks(REPO / "README.md")
+            if any("infra/kuberay/rayjob.yaml" in line and "kubectl apply" in line for line in block)]
+
+
+def test_the_first_screen_shows_the_cluster_path_as_its_section_does():
+    """The five commands on the README's first screen are the section's, and they come before the first section."""
+    first, *rest = _cluster_blocks()
+    assert rest and all(block == first for block in rest), (first, rest)
+    text = (REPO / "README.md").read_text()
+    assert text.index("infra/kuberay/rayjob.yaml") < text.index("\n## ")
+    steps = [line for line in first if not line.startswith("export ")]
+    assert len(steps) == 5, steps
+
+
+def test_the_readme_rayjob_substitution_leaves_no_change_me(tmp_path):
+    """Step 4's sed, run on the manifest with an image and a bucket, leaves no CHANGE-ME and valid YAML whose
+    images, workdir and checkpoint storage are the user's."""
+    sed = next(line for line in _cluster_blocks()[0] if line.startswith("sed "))
+    command = sed.split(" | kubectl", 1)[0]
+    env = {**os.environ, "IMAGE": "registry.example/me/bertpipe:9.9.9", "BUCKET": "my-bucket"}
+    out = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    assert "CHANGE-ME" not in out
+    job = yaml.safe_load(out)
+    spec = job["spec"]
+    pods = [spec["submitterPodTemplate"], spec["rayClusterSpec"]["headGroupSpec"]["template"],
+            *(group["template"] for group in spec["rayClusterSpec"]["workerGroupSpecs"])]
+    assert {c["image"] for pod in pods for c in pod["spec"]["containers"]} == {env["IMAGE"]}
+    assert "--workdir s3://my-bucket/" in spec["entrypoint"]
+
+
+def _cost_table_output() -> str:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cost_table.py")], capture_output=True,
+                          text=True, check=True, timeout=120)
+    return done.stdout
+
+
+def test_the_readme_cost_table_is_the_scripts_output():
+    """README "What a real run costs" shows exactly the table benchmarks/cost_table.py prints."""
+    table = [line for line in _cost_table_output().splitlines() if line.startswith("|")]
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## What a real run costs"):]
+    section = section[:section.index("\n## ", 1)]
+    shown = [line for line in section.splitlines() if line.startswith("|")]
+    assert shown == table, "\n".join(table)
