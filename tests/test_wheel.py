@@ -80,7 +80,8 @@ def user_shell(venv: Path, ray_tmp: Path) -> dict[str, str]:
 
 def where_from(venv: Path, cwd: Path, env: dict[str, str]) -> dict:
     code = ("import json, sys, bertpipe.jobs.cli as cli, bertpipe.jobs.config as c; "
-            "print(json.dumps({'cli': cli.__file__, 'preset': str(c.find_preset('tiny')), 'path': sys.path}))")
+            "print(json.dumps({'cli': cli.__file__, 'preset': str(c.find_preset('tiny')), "
+            "'as_in_the_readme': str(c.find_preset('configs/tiny.yaml')), 'path': sys.path}))")
     proc = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120, check=True)
     return json.loads(proc.stdout)
@@ -96,6 +97,7 @@ def test_the_wheel_alone_runs_the_workflow_in_an_empty_folder(tmp_path):
     env = user_shell(venv, ray_tmp)
     try:
         found = where_from(venv, empty, env)
+        assert found["preset"] == found["as_in_the_readme"]  # `--config tiny` and `--config configs/tiny.yaml`
         for path in (found["cli"], found["preset"]):
             assert Path(path).is_relative_to(venv) and not Path(path).resolve().is_relative_to(REPO), path
         assert not any(p and Path(p).resolve().is_relative_to(REPO) for p in found["path"]), found["path"]
