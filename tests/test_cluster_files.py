@@ -7,6 +7,7 @@ No Ray is started: this reads files.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -146,8 +147,18 @@ def run_args(command: str):
 
 
 def config_of(command: str) -> RootConfig:
+    """The config as the job's driver loads it on the cluster: Ray sets RAY_ADDRESS for the driver of a submitted
+    job (a RayJob's too), so an unset ray.wait_for_resources_s resolves as it does on any cluster."""
     args = run_args(command)
-    return load_config(args.config, args.overrides, args.workdir, base=str(REPO))
+    saved = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = "http://127.0.0.1:8265"
+    try:
+        return load_config(args.config, args.overrides, args.workdir, base=str(REPO))
+    finally:
+        if saved is None:
+            del os.environ["RAY_ADDRESS"]
+        else:
+            os.environ["RAY_ADDRESS"] = saved
 
 
 def is_run(line: str) -> bool:
@@ -320,7 +331,7 @@ def test_the_checks_fail_a_cluster_or_command_that_does_not_fit():
 
     # The commands: no wait on an autoscaled cluster, a worker count the batch does not split over, and
     # bert_large on 16 cards (micro 128 × 16 > 256) are all refused.
-    no_wait = lamb16.replace(" --set ray.wait_for_resources_s=900", "")
+    no_wait = lamb16 + " --set ray.wait_for_resources_s=0"
     assert any("wait_for_resources_s" in p for p in problems(no_wait, group_of(RAYCLUSTER)))
     assert problems(lamb16.replace("num_workers=16", "num_workers=12"), group_of(RAYCLUSTER))[0].startswith(
         "does not load")
