@@ -1,6 +1,6 @@
 """How long the pre-training stage waits for its data streams: the four datasets a two-phase run hands Ray Train
 (training and held-out rows at seq 128 and 512), each split between 2 workers as Ray Train splits them, opened at
-once as loop.open_streams opens them; the time until every worker holds its first micro-batch.
+once as data.streams.WorkerData.open_all opens them; the time until every worker holds its first micro-batch.
 
     python benchmarks/bench_open_streams.py PAIRS_FOLDER [--cpus 4] [--repeats 3]
 

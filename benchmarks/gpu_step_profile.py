@@ -47,7 +47,7 @@ def build(zero: int, optimizer: str, micro: int, accum: int, seq: int, preset: s
     engine, scheduler = build_engine(cfg, model, len(vocab), 7, 1)
     spec = WorkerSpec(pretrain=cfg, model=model, seed=7, vocab_tokens=vocab, vocab_bytes=b"", tracking={},
                            export_uri="", storage_path="", run_name="gpu-profile")
-    w = Worker(spec, engine, scheduler, 0, 1, torch.device(device), RunLogger({}, enabled=False))
+    w = Worker.build(spec, engine, scheduler, 0, 1, torch.device(device), RunLogger({}, enabled=False))
     engine.set_train_micro_batch_size(micro)
     engine.set_train_batch_size(micro * accum)
     return w

@@ -48,7 +48,16 @@ def worker(cfg, *, model=None, precision: str = "fp32", vocab=h.TOKENS, seed: in
         engine, scheduler = engines.build_engine(cfg, model, len(vocab), seed, 1)
     spec = worker_spec.WorkerSpec(pretrain=cfg, model=model, seed=seed, vocab_tokens=list(vocab), vocab_bytes=b"",
                            tracking={}, export_uri="", storage_path="", run_name="test")
-    return worker.Worker(spec, engine, scheduler, 0, 1, torch.device("cpu"), RunLogger({}, enabled=False))
+    return worker.Worker.build(spec, engine, scheduler, 0, 1, torch.device("cpu"), RunLogger({}, enabled=False))
+
+
+def with_config(w, cfg):
+    """The worker `w` (its engine, its state) under another pretrain config: its parts made anew around the engine,
+    as a resumed worker's are."""
+    from bertpipe.jobs.pretrain import worker
+
+    return worker.Worker.build(dataclasses.replace(w.spec, pretrain=cfg), w.engine, w.scheduler, w.rank, w.world,
+                               w.device, w.metrics.run)
 
 
 def raw_batches(n: int, micro: int, L: int, seed: int = 0) -> list[dict]:

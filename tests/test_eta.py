@@ -16,88 +16,88 @@ from bertpipe.pipeline.framework.console import QUIET_S, Console
 def tiny():
     cfg = load_config("tiny", [], None)  # 36 steps at seq 128, 4 at seq 512; evaluation and checkpoint at 20
     schedule = eta.Schedule(cfg.pretrain, cfg.model, 8192, 2, {0: 5698, 1: 1818}, {0: 144, 1: 45})
-    clock = eta.Clock()
+    measured = eta.Measurements()
     for _ in range(10):
-        clock.step(0, 0.2)
-    return cfg, schedule, clock
+        measured.step(0, 0.2)
+    return cfg, schedule, measured
 
 
 def test_nothing_measured_no_eta(tiny):
     cfg, schedule, _ = tiny
-    assert eta.seconds_left(schedule, eta.Clock(), 0, 0) is None
+    assert eta.seconds_left(schedule, eta.Measurements(), 0, 0) is None
 
 
 def test_the_phase_switch_is_priced_by_its_compute(tiny):
-    cfg, schedule, clock = tiny
+    cfg, schedule, measured = tiny
     ratio = eta.step_cost(cfg.model, 8192, cfg.pretrain.phases[1]) / eta.step_cost(cfg.model, 8192,
                                                                                    cfg.pretrain.phases[0])
     assert ratio > 1.2  # seq 512: attention and the MLM head grow faster than the tokens per step
     # From the last step of phase 1: phase 2's 4 steps at the scaled step time, then the end.
-    end = eta.seconds_left(schedule, clock, 40, 1)
-    assert eta.seconds_left(schedule, clock, 36, 0) - end == pytest.approx(4 * 0.2 * ratio)
+    end = eta.seconds_left(schedule, measured, 40, 1)
+    assert eta.seconds_left(schedule, measured, 36, 0) - end == pytest.approx(4 * 0.2 * ratio)
 
 
 def test_slow_first_steps_do_not_price_the_rest(tiny):
     """The first steps of a phase (warm-up) are slow: a typical step is the median of the recent ones, and a phase
     with fewer than STEADY_STEPS steps is priced from the steady phase before it, not by its first step."""
-    cfg, schedule, clock = tiny
-    steady = eta.seconds_left(schedule, clock, 20, 0)
-    clock.step_s[0] = [1.0, 0.8] + clock.step_s[0]  # two warm-up steps before the ten steady ones
-    assert eta.seconds_left(schedule, clock, 20, 0) == pytest.approx(steady)
-    switch = eta.seconds_left(schedule, clock, 37, 1)
-    clock.step(1, 3.0)  # the first step at seq 512, slow
-    assert eta.seconds_left(schedule, clock, 37, 1) == pytest.approx(switch)
+    cfg, schedule, measured = tiny
+    steady = eta.seconds_left(schedule, measured, 20, 0)
+    measured.step_s[0] = [1.0, 0.8] + measured.step_s[0]  # two warm-up steps before the ten steady ones
+    assert eta.seconds_left(schedule, measured, 20, 0) == pytest.approx(steady)
+    switch = eta.seconds_left(schedule, measured, 37, 1)
+    measured.step(1, 3.0)  # the first step at seq 512, slow
+    assert eta.seconds_left(schedule, measured, 37, 1) == pytest.approx(switch)
     for _ in range(eta.STEADY_STEPS - 1):
-        clock.step(1, 3.0)  # a steady phase 2 at 3 s a step prices its own remaining steps
-    assert eta.seconds_left(schedule, clock, 37, 1) > switch + 3 * 2.0
+        measured.step(1, 3.0)  # a steady phase 2 at 3 s a step prices its own remaining steps
+    assert eta.seconds_left(schedule, measured, 37, 1) > switch + 3 * 2.0
 
 
 def test_evaluations_and_checkpoints_count_once_measured(tiny):
-    cfg, schedule, clock = tiny
-    before = eta.seconds_left(schedule, clock, 19, 0) - eta.seconds_left(schedule, clock, 21, 0)
-    clock.eval_s[0], clock.checkpoint_s = 7.0, 3.0
-    after = eta.seconds_left(schedule, clock, 19, 0) - eta.seconds_left(schedule, clock, 21, 0)
+    cfg, schedule, measured = tiny
+    before = eta.seconds_left(schedule, measured, 19, 0) - eta.seconds_left(schedule, measured, 21, 0)
+    measured.eval_s[0], measured.checkpoint_s = 7.0, 3.0
+    after = eta.seconds_left(schedule, measured, 19, 0) - eta.seconds_left(schedule, measured, 21, 0)
     assert after - before == pytest.approx(7.0 + 3.0 - (before - 2 * 0.2), rel=1e-6)
     # the end always holds the final evaluation, the export and the last checkpoint
-    assert eta.seconds_left(schedule, clock, 40, 1) > 3.0
+    assert eta.seconds_left(schedule, measured, 40, 1) > 3.0
 
 
 def test_a_timed_held_out_batch_prices_each_evaluation_until_one_ran(tiny):
-    """On a CPU the workers time one held-out batch of each phase before the first step (loop.time_eval_batches):
+    """On a CPU the workers time one held-out batch of each phase before the first step (evaluation.time_eval_batches):
     every evaluation not yet measured costs its batches at that time; a measured one costs what it took."""
-    cfg, schedule, clock = tiny
-    rule = eta.seconds_left(schedule, clock, 19, 0)
-    clock.eval_batch_s.update({0: 0.25, 1: 0.5})
-    timed = eta.seconds_left(schedule, clock, 19, 0)
-    clock.eval_batch_s.update({0: 0.5, 1: 1.0})
-    doubled = eta.seconds_left(schedule, clock, 19, 0)
+    cfg, schedule, measured = tiny
+    rule = eta.seconds_left(schedule, measured, 19, 0)
+    measured.eval_batch_s.update({0: 0.25, 1: 0.5})
+    timed = eta.seconds_left(schedule, measured, 19, 0)
+    measured.eval_batch_s.update({0: 0.5, 1: 1.0})
+    doubled = eta.seconds_left(schedule, measured, 19, 0)
     # the evaluation at step 20 (phase 1's length) and the final one (phase 2's)
     assert doubled - timed == pytest.approx(schedule.eval_batches(0) * 0.25 + schedule.eval_batches(1) * 0.5)
     assert timed != pytest.approx(rule)
-    clock.eval_s[0] = 2.0  # the evaluation at step 20 ran: its phase's timed batch no longer counts
-    measured = eta.seconds_left(schedule, clock, 19, 0)
-    clock.eval_batch_s[0] = 9.0
-    assert eta.seconds_left(schedule, clock, 19, 0) == pytest.approx(measured)
+    measured.eval_s[0] = 2.0  # the evaluation at step 20 ran: its phase's timed batch no longer counts
+    priced = eta.seconds_left(schedule, measured, 19, 0)
+    measured.eval_batch_s[0] = 9.0
+    assert eta.seconds_left(schedule, measured, 19, 0) == pytest.approx(priced)
 
 
 def test_epoch_boundaries_open_streams_but_not_a_phase_first(tiny):
-    cfg, _, clock = tiny
-    clock.stream_start_s = 5.0
+    cfg, _, measured = tiny
+    measured.stream_start_s = 5.0
     # 12 steps per epoch of phase 1 (200 rows per worker / micro-batch 16): 36 steps = 3 streams, the first opened
     # before training; phase 2 within one epoch.
     small = eta.Schedule(cfg.pretrain, cfg.model, 8192, 2, {0: 200, 1: 1818}, {0: 144, 1: 45})
     big = eta.Schedule(cfg.pretrain, cfg.model, 8192, 2, {0: 5698, 1: 1818}, {0: 144, 1: 45})
-    assert eta.seconds_left(small, clock, 1, 0) - eta.seconds_left(big, clock, 1, 0) == pytest.approx(2 * 5.0)
+    assert eta.seconds_left(small, measured, 1, 0) - eta.seconds_left(big, measured, 1, 0) == pytest.approx(2 * 5.0)
     # after step 24 the third epoch's stream is still to open (with step 25), after step 25 it is open
-    assert eta.seconds_left(small, clock, 24, 0) - eta.seconds_left(big, clock, 24, 0) == pytest.approx(5.0)
-    assert eta.seconds_left(small, clock, 25, 0) == pytest.approx(eta.seconds_left(big, clock, 25, 0))
+    assert eta.seconds_left(small, measured, 24, 0) - eta.seconds_left(big, measured, 24, 0) == pytest.approx(5.0)
+    assert eta.seconds_left(small, measured, 25, 0) == pytest.approx(eta.seconds_left(big, measured, 25, 0))
 
 
 def test_a_million_steps_cost_no_time_to_estimate():
     cfg = load_config("bert_large", [], None)
     schedule = eta.Schedule(cfg.pretrain, cfg.model, 30522, 2, {}, {})
-    clock = eta.Clock()
-    clock.step(0, 1.0)
+    measured = eta.Measurements()
+    measured.step(0, 1.0)
     lines = [0]
 
     def count(frame, event, arg):  # every Python line run, in eta.py and whatever it calls
@@ -108,7 +108,7 @@ def test_a_million_steps_cost_no_time_to_estimate():
     sys.settrace(count)
     try:
         for step in (1, 500_000, 999_999):
-            eta.seconds_left(schedule, clock, step, 0)
+            eta.seconds_left(schedule, measured, step, 0)
     finally:
         sys.settrace(None)
     assert lines[0] < 3 * 2000  # a loop over the million steps would run millions of lines
@@ -134,10 +134,11 @@ class FakeTime:
 
 
 @pytest.fixture
-def step_clock(tiny):
-    """The tiny preset's worker clock (rank 0, 2 workers, the rows of `tiny`) on a fake clock; its reports kept."""
-    from bertpipe.jobs.pretrain.metrics.step_clock import StepClock
+def training_metrics(tiny):
+    """The tiny preset's worker metrics (rank 0, 2 workers, the rows of `tiny`) on a fake clock; its reports kept."""
+    from bertpipe.jobs.pretrain.metrics.training_metrics import TrainingMetrics
     from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
+    from bertpipe.jobs.services.tracking import RunLogger
 
     cfg, _, _ = tiny
     reports = []
@@ -150,48 +151,48 @@ def step_clock(tiny):
                       tracking={}, export_uri="", storage_path="", run_name="r", progress=Board(),
                       rows={"train_128": 2 * 5698, "train_512": 2 * 1818, "heldout_128": 288, "heldout_512": 90})
     now = FakeTime()
-    return StepClock(spec, 0, 2, "cpu", now=now), now, reports
+    return TrainingMetrics(spec, 0, 2, "cpu", RunLogger({}, enabled=False), now=now), now, reports
 
 
-def test_the_step_clock_leaves_set_aside_time_out_of_the_step_and_prices_it(step_clock):
+def test_the_metrics_leave_set_aside_time_out_of_the_step_and_price_it(training_metrics):
     """The loop's marks on a fake clock: steps of 0.2 s; an evaluation (3 s), a checkpoint (1 s), a compile (9 s)
     and a stream opened between two steps (2 s) stay out of the step time; the evaluation and the checkpoint price
     the next ones, the stream the next epochs'; every step's report carries the ETA of what was measured."""
-    clock, now, reports = step_clock
-    clock.start_phase(0)
+    metrics, now, reports = training_metrics
+    metrics.start_phase(0)
     for step in range(1, 11):
         now.now += 0.2
         if step == 2:
-            with clock.aside("compile"):
+            with metrics.aside("compile"):
                 now.now += 9.0
         if step == 5:
-            with clock.aside("evaluation", 0) as took:
+            with metrics.aside("evaluation", 0) as took:
                 now.now += 3.0
-            with clock.aside("checkpoint"):
+            with metrics.aside("checkpoint"):
                 now.now += 1.0
         if step == 7:
-            clock.stream_opened(2.0, before_training=False)
+            metrics.stream_opened(2.0, before_training=False)
             now.now += 2.0
-        clock.optimizer_step(step, 0, None, {})
-    assert clock.measured.step_s[0] == pytest.approx([0.2] * 10)
+        metrics.optimizer_step(step, 0, None)
+    assert metrics.measured.step_s[0] == pytest.approx([0.2] * 10)
     assert took.seconds == pytest.approx(3.0)
-    assert (clock.measured.eval_s, clock.measured.checkpoint_s, clock.measured.stream_start_s) == \
+    assert (metrics.measured.eval_s, metrics.measured.checkpoint_s, metrics.measured.stream_start_s) == \
         (pytest.approx({0: 3.0}), pytest.approx(1.0), 2.0)
-    assert clock.meter.paused == pytest.approx(4.0)  # the evaluation and the checkpoint leave the throughput
+    assert metrics.meter.paused == pytest.approx(4.0)  # the evaluation and the checkpoint leave the throughput
     assert [count for count, _ in reports] == list(range(1, 11))
     count, fields = reports[-1]
-    assert fields["eta_s"] == pytest.approx(eta.seconds_left(clock.schedule, clock.measured, 10, 0))
+    assert fields["eta_s"] == pytest.approx(eta.seconds_left(metrics.schedule, metrics.measured, 10, 0))
     assert fields["eta_s"] > 30 * 0.2 + 3.0 + 1.0  # phase 1's 26 steps left, its evaluation and checkpoint at 20
 
 
-def test_streams_opened_before_training_count_by_the_slowest(step_clock):
-    clock, now, _ = step_clock
+def test_streams_opened_before_training_count_by_the_slowest(training_metrics):
+    metrics, now, _ = training_metrics
     for seconds in (1.5, 4.0, 2.5):  # opened at once, in threads
-        clock.stream_opened(seconds, before_training=True)
-    clock.start_phase(0)
+        metrics.stream_opened(seconds, before_training=True)
+    metrics.start_phase(0)
     now.now += 0.2
-    clock.optimizer_step(1, 0, None, {})
-    assert clock.measured.stream_start_s == 4.0 and clock.measured.step_s[0] == pytest.approx([0.2])
+    metrics.optimizer_step(1, 0, None)
+    assert metrics.measured.stream_start_s == 4.0 and metrics.measured.step_s[0] == pytest.approx([0.2])
 
 
 def test_a_quiet_console_hears_what_runs(capsys):

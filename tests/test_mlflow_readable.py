@@ -9,7 +9,7 @@ import pytest
 import engine_helpers as eh
 from bertpipe.jobs.services import tracking
 from bertpipe.jobs.pretrain import loop
-from bertpipe.jobs.pretrain.checkpointing import resume
+from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
 
 # How MLflow's UI (3.x, the run page and the experiment's charts) lays a run's metrics out: sections named by the
@@ -99,17 +99,14 @@ def test_a_phase_start_is_not_logged_as_throughput(tmp_path):
     cfg = _two_phases()
     with eh.process_group():
         w = eh.worker(cfg)
-        w.run = tracking.RunLogger({"tracking_uri": uri, "run_id": run_id, "experiment_id": exp})
-        position, last, carried = resume.Position(), {}, []
+        w.metrics.run = tracking.RunLogger({"tracking_uri": uri, "run_id": run_id, "experiment_id": exp})
+        position, carried = Position(), []
         for index, (phase, steps) in enumerate(zip(cfg.phases, cfg.phase_steps())):
-            w.engine.set_train_micro_batch_size(phase.micro_batch_size)
-            w.engine.set_train_batch_size(phase.global_batch_size)
-            w.engine.micro_steps = 0
-            w.clock.start_phase(index)
-            position = resume.Position(position.step, index)  # as run_phase starts a phase
+            loop.start_phase(w, index)
+            position = Position(position.step, index)  # as run_phase starts a phase
             batches = eh.raw_batches(steps * 2, phase.micro_batch_size, phase.max_seq_length, seed=index)
-            position, last = loop.run_epoch(w, position, position.step + steps, last, batches)
-            carried.append(dict(last))
+            position = loop.run_epoch(w, position, position.step + steps, batches)
+            carried.append(dict(w.metrics.last_window))
 
     def steps(name):
         return [m.step for m in client.get_metric_history(run_id, name)]

@@ -13,7 +13,7 @@ import torch
 
 import engine_helpers as eh
 from bertpipe.jobs.pretrain import loop, worker
-from bertpipe.jobs.pretrain.checkpointing import resume
+from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.engine.build import compile_enabled
 from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning
@@ -72,12 +72,11 @@ def config(**kw) -> PretrainConfig:
 
 
 def train(w, cfg, batches, steps=None):
-    """run_epoch over `batches` with the phase set up as run_phase sets it; returns (position, last metrics)."""
-    phase = cfg.phases[0]
-    w.clock.start_phase(0)
-    w.engine.set_train_micro_batch_size(phase.micro_batch_size)
-    w.engine.set_train_batch_size(phase.global_batch_size)
-    return loop.run_epoch(w, resume.Position(), steps or cfg.max_steps, {}, batches)
+    """run_epoch over `batches` with the phase set up as run_phase sets it; returns (position, last window's
+    figures)."""
+    loop.start_phase(w, 0)
+    position = loop.run_epoch(w, Position(), steps or cfg.max_steps, batches)
+    return position, w.metrics.last_window
 
 
 @pytest.mark.parametrize("precision, zero, optimizer", [("bf16", 1, "adamw"), ("bf16", 2, "lamb"),
@@ -91,7 +90,7 @@ def test_no_host_reads_between_logging_windows(precision, zero, optimizer):
             reads.active = True
             position, last = train(w, cfg, batches)
     assert position.step == cfg.max_steps and w.engine.gradient_accumulation_steps() == 4
-    assert 0 < last["loss"] < 10 and len(w.history) == 2  # two windows were logged (and read) normally
+    assert 0 < last["loss"] < 10 and len(w.metrics.history) == 2  # two windows were logged (and read) normally
     assert reads.ours() == {}, reads.ours()
     if precision == "bf16":  # the GPU configuration: DeepSpeed's step reads nothing either
         assert dict(reads.calls) == {}, dict(reads.calls)
@@ -130,7 +129,7 @@ def test_non_finite_stops_at_the_window_naming_the_step(what):
     message = str(err.value)
     assert "\n" not in message and f"not finite at optimizer step {bad_from}" in message
     assert message.startswith(f"pretrain (seq 32): the {what}")
-    assert len(w.history) == 0  # found at the first window (step 6), nothing logged for it
+    assert len(w.metrics.history) == 0  # found at the first window (step 6), nothing logged for it
 
 
 def test_meter_sums_what_the_model_returned():
@@ -173,7 +172,7 @@ def test_compiled_and_eager_losses_agree():
         with eh.process_group():
             w = eh.worker(cfg)
             train(w, cfg, eh.raw_batches(12, 4, 32))
-        losses[compiled] = [row["loss"] for row in w.history]
+        losses[compiled] = [row["loss"] for row in w.metrics.history]
         assert w.compiled == compiled
     assert losses[True] == pytest.approx(losses[False], rel=2e-3)
 
@@ -199,7 +198,7 @@ def test_zero0_without_a_norm_trains_on():
         w = eh.worker(cfg)
         position, last = train(w, cfg, eh.raw_batches(4 * cfg.max_steps, 4, 32))
     assert w.engine.get_global_grad_norm() is None
-    assert position.step == 6 and len(w.history) == 2 and last["loss"] > 0
+    assert position.step == 6 and len(w.metrics.history) == 2 and last["loss"] > 0
 
 
 def test_progress_says_once_what_the_work_is_doing(capsys):

@@ -10,7 +10,6 @@ from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.engine.build import compile_enabled
 from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
 from bertpipe.jobs.pretrain.metrics.meter import all_sum
-from bertpipe.jobs.pretrain.data.streams import heldout_batches
 from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, to_device
 
 EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixed masks, never a training phase
@@ -19,10 +18,10 @@ EVAL_PHASE = 99  # the masking seed's "phase" part for held-out evaluation: fixe
 def evaluate_heldout(w: Worker, phase: PhaseConfig, training_masks: bool = True) -> dict[str, float]:
     """Held-out MLM/NSP accuracy with a fixed masking seed, summed over all workers (every rank runs the same
     number of forwards: ZeRO-3 gathers parameters collectively)."""
-    batches = heldout_batches(w, phase)
+    batches = w.data.heldout_batches(phase)
     spec = masking_spec(w, phase, training_masks)
-    if compile_enabled(w.spec.pretrain) and not w.eval_compiled and w.rank == 0:
-        w.spec.progress.set(w.engine.global_steps, status="compiling the model for evaluation (first evaluation)")
+    if compile_enabled(w.spec.pretrain) and not w.eval_compiled:
+        w.metrics.tell(w.engine.global_steps, status="compiling the model for evaluation (first evaluation)")
     w.eval_compiled = True
     names = ("mlm_correct", "mlm_count", "nsp_correct", "mlm_loss")
     totals = torch.zeros(len(names), dtype=torch.float64, device=w.device)  # summed on the device, read once below
@@ -42,12 +41,6 @@ def evaluate_heldout(w: Worker, phase: PhaseConfig, training_masks: bool = True)
             "eval_mlm_loss": s["mlm_loss"] / max(s["mlm_count"], 1), "eval_sequences": s["sequences"]}
 
 
-def evaluation_series(held_out: dict[str, float]) -> dict[str, float]:
-    """What of an evaluation is an MLflow series: its accuracies and loss (the count of held-out sequences, the
-    same every time, goes into the stage's summary)."""
-    return {k: v for k, v in held_out.items() if k != "eval_sequences"}
-
-
 def time_eval_batches(w: Worker) -> None:
     """On a CPU, one held-out batch of each phase through the model, timed: what an evaluation costs before the first
     one ran (eta.py). Pricing it from the training step instead (a forward is a third of a step's work per sequence)
@@ -61,12 +54,12 @@ def time_eval_batches(w: Worker) -> None:
     w.engine.eval()
     with torch.no_grad():
         for q, (phase, steps) in enumerate(zip(cfg.phases, cfg.phase_steps())):
-            batches = heldout_batches(w, phase) if steps else []
+            batches = w.data.heldout_batches(phase) if steps else []
             if batches:
                 rng = batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, 0)
                 batch = to_device(collate(batches[0], masking_spec(w, phase, False), rng), w.device)
                 forward(w, batch)
                 started = time.perf_counter()
                 forward(w, batch)
-                w.clock.measured.eval_batch_s[q] = time.perf_counter() - started
+                w.metrics.measured.eval_batch_s[q] = time.perf_counter() - started
     w.engine.train()

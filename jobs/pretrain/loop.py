@@ -1,58 +1,49 @@
 """The per-worker training function of pre-training (runs inside each Ray Train worker), as named steps.
 
-One DeepSpeed engine per worker (engine.py) trains through the phases (seq 128, then 512) on its share of the shards
-(streams.py), masking each batch on the fly. The position in the data is (phase, epoch, sequences of the epoch
-trained: resume.Position): a checkpoint stores it, and a resumed worker re-reads the epoch and drops the batches it
-had already consumed without collating them — with per-batch mask generators and a per-batch dropout seed the
-resumed run computes exactly what an uninterrupted run computes. A checkpoint of another layout (worker count,
-micro-batch) goes on by the rule of resume.py, its optimizer state re-partitioned if need be (repartition.py). What
-each step costs, and the ETA and throughput made from it, is the worker's clock's (clock.py): the loop only marks
-where a step ends and what it sets aside.
+One DeepSpeed engine per worker (engine/build.py) trains through the phases (seq 128, then 512) on its share of the
+shards (data/streams.py), masking each batch on the fly. The position in the data is (phase, epoch, sequences of the
+epoch trained: checkpointing/resume.Position): a checkpoint stores it, and a resumed worker re-reads the epoch and
+drops the batches it had already consumed without collating them — with per-batch mask generators and a per-batch
+dropout seed the resumed run computes exactly what an uninterrupted run computes. Where the worker resumes from, and
+how a checkpoint of another layout goes on, is its checkpoint manager's (checkpointing/manager.py); what each step
+costs, the logging window, the curves and the ETA are its metrics' (metrics/training_metrics.py): the loop marks
+where a step ends and what it sets aside, and reads nothing itself.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from bertpipe.jobs.pretrain import runs
-from bertpipe.jobs.pretrain.checkpointing import export, folders, resume
-from bertpipe.jobs.pretrain.engine.build import build_engine, compile_enabled
-from bertpipe.jobs.pretrain.evaluation import evaluate_heldout, evaluation_series, time_eval_batches
-from bertpipe.jobs.pretrain.engine.lamb_layout import mapped_layouts
-from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
-from bertpipe.jobs.pretrain.metrics.meter import THROUGHPUT, NonFiniteError
-from bertpipe.jobs.pretrain.data.streams import micro_batches, open_streams
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
-from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, seed_of, to_device
+from bertpipe.jobs.pretrain.data.masking import batch_rng, collate, seed_of
+from bertpipe.jobs.pretrain.engine.build import build_engine, compile_enabled
+from bertpipe.jobs.pretrain.engine.lamb_layout import mapped_layouts
+from bertpipe.jobs.pretrain.evaluation import evaluate_heldout, time_eval_batches
+from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError
+from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, to_device
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
-from bertpipe.jobs.services.tracking import RunLogger, metric_names
-from bertpipe.pipeline.framework import storage
+from bertpipe.jobs.services.tracking import RunLogger
 
 log = logging.getLogger("bertpipe.pretrain")
-# The training figures of a logging window that go into the curves.
-CURVE_KEYS = ("loss", "mlm_loss", "mlm_accuracy", "nsp_accuracy")
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    spec: WorkerSpec = config["spec"]
-    w = setup(spec)
-    position = restore(w)
-    announce_attempt(w, position)
-    open_streams(w, position)
+    w = setup(config["spec"])
+    position, history = w.checkpoints.restore()
+    w.metrics.history = history
+    w.metrics.attempt_started(position.step)  # the driver's attempt watch tells a restart by it
+    w.data.open_all(position, w.doing)
     time_eval_batches(w)  # with the streams open: timed as the machine will be during training
     resumed_from = position.step
     try:
-        position, last = train(w, position)
+        position = train(w, position)
     except NonFiniteError as exc:
-        stop_for_good(w, exc)
+        w.checkpoints.stop_for_good(str(exc))
         return
-    final = final_evaluation(w, position, resumed_from, last)
+    final = final_evaluation(w, position, resumed_from)
     export_model(w)
     save_last_checkpoint(w, position, final)
 
@@ -68,109 +59,67 @@ def setup(spec: WorkerSpec) -> Worker:
     if rank == 0:  # add(0): a restarted attempt's progress stays where training stood until it resumes
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world, spec.init_config)
-    return Worker(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
-                  RunLogger(spec.tracking, enabled=rank == 0), local_rank=ctx.get_local_rank())
+    return Worker.build(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
+                        RunLogger(spec.tracking, enabled=rank == 0), local_rank=ctx.get_local_rank())
 
 
-def restore(w: Worker) -> Position:
-    """The later of Ray Train's checkpoint (a retry, or a rerun it has a snapshot for) and the newest complete one in
-    the run folder (a rerun after a crash, or a retry that starts before the controller registered the last reported
-    checkpoint). Rank 0 decides, so every rank loads the same. A checkpoint of another layout is loaded
-    re-partitioned and goes on where resume.plan says (the driver said so in its resume line)."""
-    import ray.train
-
-    given = ray.train.get_checkpoint()
-    found = [folders.latest_checkpoint(w.spec.storage_path, w.spec.run_name, w.spec.pretrain)
-             if w.rank == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    # The later of the two: a driver killed right after the workers saved leaves a complete checkpoint that Ray
-    # Train's snapshot never registered.
-    newest = folders.newer(given.path if given is not None else None, found[0])
-    checkpoint = given if given is not None and newest == given.path else (
-        ray.train.Checkpoint(newest) if newest else None)
-    if checkpoint is None:
-        return Position()
-    now = layout(w)
-    return resumed_position(w, folders.load(w.engine, checkpoint, now, w.local_rank), now)
-
-
-def resumed_position(w: Worker, state: dict, now: dict) -> Position:
-    """Where a worker goes on from a loaded checkpoint's position.json (`state`), with this layout (`now`)."""
-    w.history = state.pop("history", [])
-    then = state.pop("layout", None)
-    taken = resume.position_of(state, then or now)
-    assert w.engine.global_steps == taken.step, (w.engine.global_steps, taken.step)
-    goes_on = resume.plan(taken, then, now, w.spec.pretrain, w.spec.rows)
-    log.info("rank %d resumed at %s%s", w.rank, taken,
-             f", goes on at {goes_on.position}" if goes_on.position != taken else "")
-    return goes_on.position
-
-
-def layout(w: Worker) -> dict:
-    """How the checkpoint's state is laid out: what a resume on another layout must match (runs.check_layout)."""
-    cfg = w.spec.pretrain
-    return runs.layout_of(w.world, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
-
-
-def announce_attempt(w: Worker, position: Position) -> None:
-    """Rank 0 tells the driver's attempt watch (attempts.py) which attempt this is and where it resumed."""
-    if w.rank == 0:
-        w.spec.progress.set(position.step, attempt_started=time.time(), resumed_from=position.step, eta_s=None)
-
-
-def train(w: Worker, position: Position) -> tuple[Position, dict]:
-    """Every phase from `position` on; returns the last position and the last logged window's figures."""
-    last: dict = {}
+def train(w: Worker, position: Position) -> Position:
+    """Every phase from `position` on; returns the last position."""
     for phase_index in range(len(w.spec.pretrain.phases)):
-        position, last = run_phase(w, phase_index, position, last)
-    return position, last
+        position = run_phase(w, phase_index, position)
+    return position
 
 
-def run_phase(w: Worker, phase_index: int, position: Position, last: dict) -> tuple[Position, dict]:
-    cfg = w.spec.pretrain
-    steps = cfg.phase_steps()
+def run_phase(w: Worker, phase_index: int, position: Position) -> Position:
+    steps = w.spec.pretrain.phase_steps()
     phase_end = sum(steps[: phase_index + 1])
     if position.step >= phase_end or steps[phase_index] == 0:
-        return position, last
+        return position
     if phase_index != position.phase:
         position = Position(position.step, phase_index)
-    phase = cfg.phases[phase_index]
+    start_phase(w, phase_index)
+    while position.step < phase_end:
+        position = run_epoch(w, position, phase_end)
+        if position.step < phase_end:
+            position = Position(position.step, phase_index, position.epoch + 1)
+    return position
+
+
+def start_phase(w: Worker, phase_index: int) -> None:
+    """The engine set to the phase's batch sizes, and the metrics to its first logging window."""
+    phase = w.spec.pretrain.phases[phase_index]
     w.doing(f"phase {phase_index + 1}: seq {phase.max_seq_length}")
-    w.clock.start_phase(phase_index)
+    w.metrics.start_phase(phase_index)
     w.engine.set_train_micro_batch_size(phase.micro_batch_size)
     w.engine.set_train_batch_size(phase.global_batch_size)
     # DeepSpeed finds accumulation boundaries by micro_steps % accumulation steps; a phase (and a resume) always
     # starts on a boundary, so restart the count where the accumulation steps may change.
     w.engine.micro_steps = 0
-    while position.step < phase_end:
-        position, last = run_epoch(w, position, phase_end, last)
-        if position.step < phase_end:
-            position = Position(position.step, phase_index, position.epoch + 1)
-    return position, last
 
 
-def run_epoch(w: Worker, position: Position, phase_end: int, last: dict, batches=None) -> tuple[Position, dict]:
+def run_epoch(w: Worker, position: Position, phase_end: int, batches=None) -> Position:
     """Train from `position` until the epoch's data (`batches`: shard rows in micro-batches of the size the epoch is
     read in, `position.dealt`; default this worker's share of the phase's dataset) or the phase's steps run out."""
     phase_index, epoch = position.phase, position.epoch
-    spec = masking_spec(w, w.spec.pretrain.phases[phase_index])
+    phase = w.spec.pretrain.phases[phase_index]
+    masking = masking_spec(w, phase)
     if position.step >= phase_end:
-        return position, last
-    sequences, dealt = position.sequences, position.dealt or w.spec.pretrain.phases[phase_index].micro_batch_size
-    for index, raw, pulled_at in micro_batches(w, position, batches):
-        batch = to_device(collate(raw, spec, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index)), w.device)
+        return position
+    sequences, dealt = position.sequences, position.dealt or phase.micro_batch_size
+    for index, raw, pulled_at in w.data.micro_batches(position, batches):
+        batch = to_device(collate(raw, masking, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index)), w.device)
         wait = time.perf_counter() - pulled_at  # host time only: nothing here waits for the device
         out = timed_first_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
         sequences += len(raw["next_sentence_label"])
-        w.clock.micro_batch(out, batch["attention_mask"], wait)
+        w.metrics.micro_batch(out, batch["attention_mask"], wait)
         if w.engine.global_steps == position.step:
             continue  # inside a gradient accumulation
         position = Position(w.engine.global_steps, phase_index, epoch, index + 1, sequences, dealt)
-        w.clock.optimizer_step(position.step, phase_index, w.engine.get_global_grad_norm(), last)
-        last = after_step(w, position, phase_end, last)
+        w.metrics.optimizer_step(position.step, phase_index, w.engine.get_global_grad_norm())
+        after_step(w, position, phase_end)
         if position.step >= phase_end:
             break
-    return position, last
+    return position
 
 
 def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
@@ -178,14 +127,14 @@ def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: in
     took (minutes for BERT-Large), instead of leaving a silent gap."""
     if not compile_enabled(w.spec.pretrain) or w.compiled:
         return train_step(w, batch, dropout_seed)
+    w.metrics.tell(0, status="compiling the model (torch.compile, first step)")
     if w.rank == 0:
-        w.spec.progress.set(0, status="compiling the model (torch.compile, first step)")
         log.info("compiling the model (torch.compile): the first step takes longer")
-    with w.clock.aside("compile") as took:  # a one-off: the ETA's step time is the compiled model's
+    with w.metrics.aside("compile") as took:  # a one-off: the ETA's step time is the compiled model's
         out = train_step(w, batch, dropout_seed)
     w.compiled = True
+    w.metrics.tell(0, status=f"model compiled in {took.seconds:.0f} s")
     if w.rank == 0:
-        w.spec.progress.set(0, status=f"model compiled in {took.seconds:.0f} s")
         log.info("model compiled in %.0f s (first step)", took.seconds)
     return out
 
@@ -200,106 +149,56 @@ def train_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: int):
     return out
 
 
-def after_step(w: Worker, position: Position, phase_end: int, last: dict) -> dict:
-    """What is due at an optimizer step: the logging window, a held-out evaluation, a checkpoint; returns the
-    latest logged figures."""
+def after_step(w: Worker, position: Position, phase_end: int) -> None:
+    """What is due at an optimizer step: the logging window, a held-out evaluation, a checkpoint."""
     cfg, step = w.spec.pretrain, position.step
     if step % cfg.log_every_steps == 0 or step == phase_end:
-        last = log_window(w, step, cfg.phases[position.phase].max_seq_length, last)
-        w.clock.meter.reset()
+        w.metrics.log_window(step, cfg.phases[position.phase].max_seq_length, w.scheduler.get_last_lr()[0],
+                             w.engine.get_global_grad_norm())
     if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.max_steps:
         evaluate_at(w, position)
     if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
-        checkpoint_at(w, position, last)
-    return last
-
-
-def log_window(w: Worker, step: int, seq_length: int, last: dict | None = None) -> dict[str, float]:
-    """The window's figures, all-reduced, logged and kept for the curves; the window's only host reads. The first
-    window of a phase (data start-up, compile, resume: Meter.steady) logs no throughput, and the figures returned
-    keep the last steady window's throughput (`last`): no speed is reported for it, rather than a wrong one."""
-    meter = w.clock.meter
-    try:
-        figures = meter.summary(w.world)
-    except NonFiniteError as exc:
-        raise NonFiniteError(f"pretrain (seq {seq_length}): {exc}") from None
-    grad_norm = w.engine.get_global_grad_norm()
-    metrics = {**figures, "lr": w.scheduler.get_last_lr()[0],
-               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "seq_length": seq_length}
-    if not meter.steady:
-        metrics = {k: v for k, v in metrics.items() if k not in THROUGHPUT}
-    w.run.log_metrics(metric_names(metrics), step)
-    w.history.append({"step": step, **{k: metrics[k] for k in CURVE_KEYS}})
-    metrics = {**{k: v for k, v in (last or {}).items() if k in THROUGHPUT}, **metrics}
-    if w.rank == 0:
-        utilisation = ""
-        if "model_tflops_per_second" in figures:
-            utilisation = f" {figures['model_tflops_per_second']:.1f} TFLOP/s per device"
-        if "model_flops_utilization" in figures:
-            utilisation += f" (MFU {100 * figures['model_flops_utilization']:.1f}%)"
-        log.info("step %d seq %d loss %.4f mlm_acc %.3f nsp_acc %.3f lr %.2e %.1f seq/s wait %.1f%%%s", step,
-                 seq_length, metrics["loss"], metrics["mlm_accuracy"], metrics["nsp_accuracy"], metrics["lr"],
-                 figures["sequences_per_second"], 100 * figures["data_wait_fraction"], utilisation)
-    return metrics
+        checkpoint_at(w, position)
 
 
 def evaluate_at(w: Worker, position: Position) -> None:
     """A held-out evaluation at the phase's length, logged and kept for the curves."""
     phase = w.spec.pretrain.phases[position.phase]
     w.doing(f"evaluating on held-out data (seq {phase.max_seq_length})")
-    with w.clock.aside("evaluation", position.phase) as took:
+    with w.metrics.aside("evaluation", position.phase) as took:
         held_out = evaluate_heldout(w, phase)
     log.info("rank %d: evaluation at step %d took %.1f s", w.rank, position.step, took.seconds)
-    w.run.log_metrics(metric_names(evaluation_series(held_out)), position.step)
-    w.history.append({"step": position.step, **held_out})
+    w.metrics.log_evaluation(position.step, held_out)
 
 
-def checkpoint_at(w: Worker, position: Position, last: dict) -> None:
-    """A checkpoint of the engine, the position in the data and the curves so far, reported to Ray Train."""
+def checkpoint_at(w: Worker, position: Position) -> None:
+    """A checkpoint of the engine, the position in the data and the curves so far, reported to Ray Train with the
+    last window's figures."""
     w.doing(f"saving a checkpoint (step {position.step})")
-    with w.clock.aside("checkpoint") as took:
-        folders.save_and_report(w.engine, {**dataclasses.asdict(position), "history": w.history,
-                                               "layout": layout(w)},
-                                    {"step": position.step, **last})
+    with w.metrics.aside("checkpoint") as took:
+        w.checkpoints.save(position, w.metrics.history, {"step": position.step, **w.metrics.last_window})
     log.info("rank %d: checkpoint at step %d took %.1f s", w.rank, position.step, took.seconds)
 
 
-def stop_for_good(w: Worker, exc: NonFiniteError) -> None:
-    """Every rank read the same all-reduced health at the same window, so all stop here together. Left for the
-    driver in the run folder, not raised: Ray Train would retry from the last checkpoint and meet the same NaN
-    again."""
-    if w.rank == 0:
-        storage.write_text_atomic(folders.stop_marker(w.spec.storage_path, w.spec.run_name),
-                                  json.dumps({"reason": str(exc), "step": w.engine.global_steps}))
-    dist.barrier()
-
-
-def final_evaluation(w: Worker, position: Position, resumed_from: int, last: dict) -> dict:
+def final_evaluation(w: Worker, position: Position, resumed_from: int) -> dict:
     """The final held-out evaluation with BERT's standard masks at the final phase's length, logged; returns the
     run's final figures with the whole history."""
     cfg = w.spec.pretrain
     final_phase = cfg.phases[cfg.final_phase()]
     w.doing(f"final held-out evaluation (seq {final_phase.max_seq_length})")
     started = time.perf_counter()
-    # resumed_from_step: where this attempt started — a test reads it to prove no progress was lost.
-    final = {"step": position.step, "resumed_from_step": resumed_from, **last,
-             **evaluate_heldout(w, final_phase, training_masks=False)}
+    held_out = evaluate_heldout(w, final_phase, training_masks=False)
     log.info("rank %d: final evaluation took %.1f s", w.rank, time.perf_counter() - started)
-    if cfg.optimizer == "lamb":  # flat tensors with a per-parameter layout: a test proves LAMB is per layer
-        final["lamb_layouts"] = mapped_layouts(w.engine)
-    held_out = {k: v for k, v in final.items() if k.startswith("eval_")}
-    w.run.log_metrics(metric_names(evaluation_series(held_out)), position.step)
-    final["history"] = [*w.history, {"step": position.step, **held_out}]
-    return final
+    # LAMB keeps flat tensors with a per-parameter layout: a test proves LAMB is per layer by this count.
+    extra = {"lamb_layouts": mapped_layouts(w.engine)} if cfg.optimizer == "lamb" else {}
+    return w.metrics.final(position.step, resumed_from, held_out, **extra)
 
 
 def export_model(w: Worker) -> None:
-    """The model in Hugging Face layout with its tokenizer files (export.export)."""
-    spec = w.spec
+    """The model in Hugging Face layout with its tokenizer files (the checkpoint manager's export)."""
     w.doing("exporting the model")
     started = time.perf_counter()
-    export.export(w.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, w.rank, w.run,
-                       export.data_lowercase(spec.heldout))
+    w.checkpoints.export(w.metrics.run)
     log.info("rank %d: export took %.1f s", w.rank, time.perf_counter() - started)
 
 
@@ -308,8 +207,6 @@ def save_last_checkpoint(w: Worker, position: Position, final: dict) -> None:
     the workers: no measurement of this run prices that, so the ETA counts none of it and the line says what runs."""
     w.doing("saving the last checkpoint")
     started = time.perf_counter()
-    folders.save_and_report(w.engine, {**dataclasses.asdict(position), "history": final["history"][:-1],
-                                           "layout": layout(w)}, final)
+    w.checkpoints.save(position, final["history"][:-1], final)
     log.info("rank %d: last checkpoint took %.1f s", w.rank, time.perf_counter() - started)
-    if w.rank == 0:
-        w.spec.progress.set(position.step, doing="stopping the workers")
+    w.metrics.tell(position.step, doing="stopping the workers")

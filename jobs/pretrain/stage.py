@@ -150,10 +150,10 @@ def run_name(ctx: StageContext, cfg: PretrainConfig, storage_path: str) -> str:
 def start_record(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str, resume: str | None,
                  rows: dict[str, int]) -> dict[str, Any]:
     """What training starts from: a checkpoint (its step, where it is, its layout and this one, what carries over:
-    resume.plan), or step 0 and why; and, either way, the weights the run started from (pretrain.init or random).
+    resume_plan), or step 0 and why; and, either way, the weights the run started from (pretrain.init or random).
     The one record of it: the console line, MLflow's tags, the run folder's identity record and the stage's manifest
     (`bertpipe status`) all show this. Refuses a checkpoint this layout cannot load (runs.check_layout)."""
-    from bertpipe.jobs.pretrain.checkpointing.resume import plan, position_of
+    from bertpipe.jobs.pretrain.checkpointing.resume import position_of, resume_plan
 
     now = runs.layout_of(cfg.num_workers, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
     record: dict[str, Any] = {"at": time.time(), "started_from": f"the weights of {cfg.init}" if cfg.init
@@ -162,7 +162,7 @@ def start_record(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name
         state = state_of(resume)  # a complete checkpoint (survey): its position.json was read whole
         then, step = state.get("layout"), int(state["step"])
         runs.check_layout(then, now, step)
-        goes_on = plan(position_of(state, then or now), then, now, cfg, rows)
+        goes_on = resume_plan(position_of(state, then or now), then, now, cfg, rows)
         return {**record, "resumed_from_step": step, "checkpoint": resume, "layout_then": then,
                 "carries": goes_on.carries, "left_out": goes_on.left_out, "repartitioned": goes_on.repartition}
     previous = runs.previous_run(storage_path, name)

@@ -1,51 +1,54 @@
-"""What a pre-training worker holds (the driver's spec, its engine, where it is in the data, its clock) and
-the few operations on a batch every part of the worker shares: its masking, its copy to the device, the model on it.
+"""A pre-training worker as named parts, as torchtitan's trainer has them: the driver's spec, the DeepSpeed engine
+and its LR scheduler (engine/build.py), the data (data/streams.py), the running numbers (metrics/training_metrics.py)
+and the checkpoints (checkpointing/manager.py); and the few operations on a batch every part of the worker shares:
+its masking, its copy to the device, the model on it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from bertpipe.jobs.pretrain.metrics.step_clock import StepClock
+from bertpipe.jobs.pretrain.checkpointing.manager import CheckpointManager
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.data.masking import MaskingSpec
+from bertpipe.jobs.pretrain.data.streams import WorkerData
+from bertpipe.jobs.pretrain.metrics.training_metrics import TrainingMetrics
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import RunLogger
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.optim.lr_scheduler import LambdaLR
 
 
 @dataclass
 class Worker:
     spec: WorkerSpec
-    engine: Any
-    scheduler: Any
+    engine: DeepSpeedEngine
+    scheduler: LambdaLR
     rank: int
     world: int
-    device: Any
-    run: RunLogger
+    device: torch.device
+    data: WorkerData
+    metrics: TrainingMetrics
+    checkpoints: CheckpointManager
     compiled: bool = False  # the first step of a compiled model has run (it compiled)
     eval_compiled: bool = False  # the same for evaluation (eval mode and its batch shape compile apart)
-    # Logged windows and held-out evaluations, {"step": .., figure: ..}: the curves the driver draws. Saved in every
-    # checkpoint, so a resumed run's curves start at step 1 too.
-    history: list[dict[str, float]] = field(default_factory=list)
-    heldout: dict[int, list] = field(default_factory=dict)  # seq length -> this worker's held-out batches
-    opened: dict[tuple[int, int], tuple] = field(default_factory=dict)  # (phase, epoch) -> (first batch, the rest)
-    local_rank: int = 0  # its rank on its node: one rank a node converts a checkpoint of another layout
-    clock: StepClock = field(init=False)  # step times, the ETA and the throughput (clock.py)
 
-    def __post_init__(self) -> None:
-        self.clock = StepClock(self.spec, self.rank, self.world, self.device)
+    @classmethod
+    def build(cls, spec: WorkerSpec, engine: DeepSpeedEngine, scheduler: LambdaLR, rank: int, world: int,
+              device: torch.device, run: RunLogger, local_rank: int = 0) -> Worker:
+        """The worker's parts around its engine; `run`: the MLflow run its metrics go to (rank 0's logs),
+        `local_rank`: its rank on its node."""
+        metrics = TrainingMetrics(spec, rank, world, device, run)
+        return cls(spec, engine, scheduler, rank, world, device, WorkerData(spec, rank, world, metrics), metrics,
+                   CheckpointManager(spec, engine, rank, world, local_rank))
 
     def doing(self, what: str) -> None:
-        """Rank 0 tells the driver's progress line what the workers are busy with (shown if it takes a while)."""
-        if self.rank == 0:
-            self.spec.progress.set(self.engine.global_steps if self.engine is not None else 0, doing=what)
-
-
-def seed_of(*parts: int) -> int:
-    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+        """Tell the driver's progress line what the workers are busy with (shown if it takes a while)."""
+        self.metrics.tell(self.engine.global_steps if self.engine is not None else 0, doing=what)
 
 
 def masking_spec(w: Worker, phase: PhaseConfig, training: bool = True) -> MaskingSpec:

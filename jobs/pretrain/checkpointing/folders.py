@@ -133,7 +133,8 @@ def save_and_report(engine, position: dict, metrics: dict) -> None:
 
 
 def save_dir(engine, d: str, position: dict) -> None:
-    """This rank's DeepSpeed files and the position (with the layout: loop.layout) into the folder `d`."""
+    """This rank's DeepSpeed files and the position (with the layout: CheckpointManager.layout) into the folder
+    `d`."""
     engine.save_checkpoint(d, tag=CKPT_TAG)
     with open(os.path.join(d, STATE_FILE), "w") as f:
         json.dump(position, f)

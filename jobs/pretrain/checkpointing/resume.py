@@ -49,8 +49,8 @@ class Position:
 
 
 @dataclass(frozen=True)
-class Resume:
-    """How a checkpoint taken with layout `then` goes on with layout `now` (plan)."""
+class ResumePlan:
+    """How a checkpoint taken with layout `then` goes on with layout `now` (resume_plan)."""
 
     position: Position  # where the workers go on
     repartition: bool  # the optimizer state is re-partitioned (another worker count under ZeRO 1-3)
@@ -81,8 +81,8 @@ def repartition_needed(then: dict[str, Any] | None, now: dict[str, Any]) -> bool
     return bool(then) and then["num_workers"] != now["num_workers"] and now["zero_stage"] >= 1
 
 
-def plan(position: Position, then: dict[str, Any] | None, now: dict[str, Any], cfg: PretrainConfig,
-         rows: dict[str, int]) -> Resume:
+def resume_plan(position: Position, then: dict[str, Any] | None, now: dict[str, Any], cfg: PretrainConfig,
+                rows: dict[str, int]) -> ResumePlan:
     """Where the workers go on from `position` (of a checkpoint taken with layout `then`, None = this one) with
     layout `now`; `rows` the training rows of each phase ({"train_128": n, ...}: the size of an epoch)."""
     then = then or now
@@ -94,8 +94,8 @@ def plan(position: Position, then: dict[str, Any] | None, now: dict[str, Any], c
              if repartition else "optimizer state")
     exact = f"weights, {state}, LR schedule position and step {position.step}"
     if not in_epoch or phase is None:
-        return Resume(position, repartition, 0, 0, f"{exact} carry over exactly; the data position is an epoch's "
-                                                   "start, the same in any layout")
+        return ResumePlan(position, repartition, 0, 0, f"{exact} carry over exactly; the data position is an "
+                                                       "epoch's start, the same in any layout")
     micro, dealt = now["micro_batch_sizes"][position.phase], position.dealt or then["micro_batch_sizes"][
         position.phase]
     where = f"the seq-{phase.max_seq_length} epoch in progress"
@@ -103,13 +103,13 @@ def plan(position: Position, then: dict[str, Any] | None, now: dict[str, Any], c
         share = rows.get(f"train_{phase.max_seq_length}", 0) // then["num_workers"]
         left = then["num_workers"] * max(share // dealt * dealt - position.sequences, 0)
         after = Position(position.step, position.phase, position.epoch + 1)
-        return Resume(after, repartition, left, 0, (
+        return ResumePlan(after, repartition, left, 0, (
             f"{exact} carry over exactly; the data does not: another worker count deals an epoch's rows anew, so "
             f"the rest of {where} ({left:,} sequences not trained yet) is left out and training goes on with the "
             "next epoch (no sequence of this one trained twice)"))
     if skips_whole_batches(position, dealt, micro):
-        return Resume(position, repartition, 0, 0, f"{exact} carry over exactly, and so does the data position")
-    return Resume(position, repartition, 0, micro, (
+        return ResumePlan(position, repartition, 0, 0, f"{exact} carry over exactly, and so does the data position")
+    return ResumePlan(position, repartition, 0, micro, (
         f"{exact} carry over exactly, and so does the data position: the rest of {where} is the sequences not "
         f"trained yet, in their order, re-cut from micro-batches of {dealt} into {micro} (their masks and dropout "
         "draws differ)"))

@@ -67,6 +67,12 @@ def batch_rng(seed: int, phase: int, epoch: int, rank: int, batch_index: int) ->
     return np.random.default_rng([seed, phase, epoch, rank, batch_index])
 
 
+def seed_of(*parts: int) -> int:
+    """One integer seed of (the run's seed, phase, epoch, rank, ...): an epoch stream's shuffle and binning seeds
+    (streams.py) and a micro-batch's dropout seed (loop.py), each independent of the others as batch_rng's are."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
 def _rows(column: Any) -> list[np.ndarray]:
     # Ray Data hands a list<uint16> column over as an object array of arrays (or 2-D if all rows are equal).
     return [np.asarray(r, dtype=np.int64) for r in column]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,10 @@ from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
 from bertpipe.jobs.pretrain.engine.optim import make_optimizer, make_scheduler
 from bertpipe.model.training import param_groups
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.optim.lr_scheduler import LambdaLR
 
 log = logging.getLogger("bertpipe.pretrain")
 
@@ -40,7 +45,7 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int, init: str = 
 
 
 def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, seed: int, world: int,
-                 init_config: dict | None = None):
+                 init_config: dict | None = None) -> tuple[DeepSpeedEngine, LambdaLR]:
     """The DeepSpeed engine and LR scheduler of one worker (torch.distributed already initialised). With
     pretrain.init set, the model starts from that checkpoint's weights (`init_config`: its config.json)."""
     import deepspeed

@@ -7,7 +7,7 @@ everything still scheduled:
   step (`step_cost`: the model's training FLOPs for the phase's batch and sequence length), so the switch from
   seq 128 to seq 512 is counted before it happens;
 - each data stream still to open: a new epoch (Ray Data starts an execution for each, seconds on a small machine;
-  every phase's first one is opened, and the held-out rows read, before the first step, streams.open_streams),
+  every phase's first one is opened, and the held-out rows read, before the first step, streams.WorkerData.open_all),
   priced by the longest stream start measured;
 - each held-out evaluation still scheduled, and the final one: measured once one ran; before that, on a CPU, from
   one held-out batch timed before the first step (evaluation.time_eval_batches), else its forward passes at the
@@ -20,9 +20,9 @@ was measured), nothing from a machine the code was tuned on. What follows the wo
 stopping them, the driver's curves and registration) is measured by nothing before it runs: the ETA does not count
 it, and the progress line and the console say what runs then.
 
-`Clock` holds the measurements (plain floats from `time.perf_counter()`, no device read: the step path stays free of
-host syncs; clock.StepClock takes them where the loop marks); `Schedule` knows what is left from a step;
-`seconds_left` combines them.
+`Measurements` holds what was measured (plain floats from `time.perf_counter()`, no device read: the step path stays
+free of host syncs; training_metrics.TrainingMetrics takes them where the loop marks); `Schedule` knows what is left
+from a step; `seconds_left` combines them.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def state_bytes(model: ModelConfig, vocab_size: int, init_config: dict | None = 
 
 
 @dataclass
-class Clock:
+class Measurements:
     """What rank 0 measured: seconds per optimizer step of each phase (stream starts, evaluations and checkpoints
     excluded), the last stream start, the last evaluation of each phase (and one timed batch of each), the last
     checkpoint."""
@@ -123,29 +123,29 @@ def _multiples(k: int, lo: int, hi: int) -> int:
     return 0 if k <= 0 or hi < lo else hi // k - (lo - 1) // k
 
 
-def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | None:
+def seconds_left(s: Schedule, measured: Measurements, step: int, phase: int) -> float | None:
     """Seconds of work the workers have left after optimizer step `step` (taken in phase `phase`), counting
     whatever is scheduled at `step` itself (its evaluation, its checkpoint). None until a step was measured."""
     cfg = s.cfg
     phases = range(len(cfg.phases))
     # Phases with a steady step time; at the very start, whatever was measured.
-    measured = ([q for q in phases if clock.steady_step(q) is not None]
-                or [q for q in phases if clock.mean_step(q) is not None])
-    if not measured:
+    timed = ([q for q in phases if measured.steady_step(q) is not None]
+             or [q for q in phases if measured.mean_step(q) is not None])
+    if not timed:
         return None
-    ref = phase if phase in measured else measured[-1]
-    cost_per_s = step_cost(s.model, s.vocab_size, cfg.phases[ref], s.init_config) / clock.mean_step(ref)
-    stream = clock.stream_start_s or 0.0
+    ref = phase if phase in timed else timed[-1]
+    cost_per_s = step_cost(s.model, s.vocab_size, cfg.phases[ref], s.init_config) / measured.mean_step(ref)
+    stream = measured.stream_start_s or 0.0
 
     def step_s(q: int) -> float:
-        mean = clock.mean_step(q) if q == ref else clock.steady_step(q)
+        mean = measured.mean_step(q) if q == ref else measured.steady_step(q)
         return mean if mean is not None else step_cost(s.model, s.vocab_size, cfg.phases[q], s.init_config) / cost_per_s
 
     def eval_s(q: int) -> float:
-        if q in clock.eval_s:
-            return clock.eval_s[q]
-        if q in clock.eval_batch_s:
-            return s.eval_batches(q) * clock.eval_batch_s[q]
+        if q in measured.eval_s:
+            return measured.eval_s[q]
+        if q in measured.eval_batch_s:
+            return s.eval_batches(q) * measured.eval_batch_s[q]
         # Its rows were read before training (streams.heldout_batches): only forward passes, about a third of a training
         # step per sequence; every worker evaluates its share of the rows.
         per_sequence = step_s(q) / (cfg.phases[q].global_batch_size / s.world)
@@ -153,8 +153,8 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
 
     ckpt_bytes, export_bytes = state_bytes(s.model, s.vocab_size, s.init_config)
     per_rank = ckpt_bytes / s.world
-    if clock.checkpoint_s is not None:  # the export writes the weights alone, at the speed a checkpoint was written
-        checkpoint, export = clock.checkpoint_s, clock.checkpoint_s * export_bytes / per_rank
+    if measured.checkpoint_s is not None:  # the export writes the weights alone, at the speed a checkpoint was written
+        checkpoint, export = measured.checkpoint_s, measured.checkpoint_s * export_bytes / per_rank
     else:
         checkpoint, export = per_rank / ASSUMED_BYTES_S, export_bytes / ASSUMED_BYTES_S
 
@@ -167,7 +167,7 @@ def seconds_left(s: Schedule, clock: Clock, step: int, phase: int) -> float | No
         done = max(step - first + 1, 0)
         total += (n - done) * step_s(q)
         per_epoch = s.steps_per_epoch(q)
-        # Each epoch opens a data stream, except a phase's first, opened before training (streams.open_streams).
+        # Each epoch opens a data stream, except a phase's first, opened before training (streams.WorkerData.open_all).
         if per_epoch:
             total += (-(-n // per_epoch) - max(-(-done // per_epoch), 1)) * stream
     for q, (first, last) in enumerate(bounds):  # evaluations and checkpoints from `step` on, before the last step

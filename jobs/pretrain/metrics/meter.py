@@ -18,6 +18,9 @@ DEVICE_SUMS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_
 # On the host (plain Python numbers, known without the device): padded slots, seconds spent waiting for data and the
 # useful model FLOPs of the batches (from their shapes, model/flops.py).
 HOST_SUMS = ("sequences", "micro_batches", "slots", "data_wait", "flops")
+# The figures measured over the window's elapsed time: what a window that is not steady (Meter.steady) does not log.
+TIMED_FIGURES = ("sequences_per_second", "tokens_per_second", "data_wait_fraction", "model_tflops_per_second",
+                 "model_flops_utilization")
 NO_STEP = -1.0  # "no bad step yet" in the health vector
 NONE_SEEN = 2.0**62  # the same, as all-reduced with MIN over ranks
 
@@ -118,10 +121,6 @@ class Meter:
             figures["model_flops_utilization"] = tflops / self.peak_tflops
         return figures
 
-
-# What a non-steady window lacks.
-THROUGHPUT = ("sequences_per_second", "tokens_per_second", "data_wait_fraction", "model_tflops_per_second",
-              "model_flops_utilization")
 
 
 def check_finite(bad: list[float]) -> None:
