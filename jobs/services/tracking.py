@@ -22,15 +22,21 @@ import re
 import tempfile
 import time
 from contextlib import redirect_stderr, redirect_stdout
-from typing import Any
+from typing import Any, Callable
 
 from bertpipe.jobs.services.causes import first_line, from_ray, strip_ansi
 from bertpipe.jobs.services.configtools import to_dict
+from bertpipe.jobs.services.metric_sender import MetricSender
 from bertpipe.pipeline.framework.redact import mask, mask_data
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit for one param value
 PARAM_BATCH, METRIC_BATCH = 100, 1000  # MLflow's log_batch limits
 SERVER_CHECK_TIMEOUT_S = 5.0  # `check_server`: a tracking server that has not answered by then is not usable
+# The metric sender of a training worker (RunLogger(..., background=True)): its defaults (the settings
+# mlflow.buffer_points and mlflow.flush_timeout_s reach it in the run's coordinates), and how long one of its requests
+# may go unanswered before it counts as a failure and is retried (a hung server is then as good as a stopped one).
+BUFFER_POINTS, FLUSH_TIMEOUT_S, SENDER_REQUEST_TIMEOUT_S = 100_000, 120.0, 20.0
+LOG_BATCH_ENDPOINT = "/api/2.0/mlflow/runs/log-batch"  # MLflow's REST API: the sender's one request
 log = logging.getLogger(__name__)
 
 # The metric-name convention. Series (logged at steps >= 1, lines):
@@ -118,6 +124,86 @@ def _best_effort(call, *args) -> Any:
     return True if result is None else result
 
 
+def _setting(coordinates: dict[str, str], key: str, default: float) -> float:
+    try:
+        return float(coordinates.get(key, default))
+    except (TypeError, ValueError):
+        return default
+
+
+def metric_sender(client, coordinates: dict[str, str], tell: Callable[[str], None] | None = None,
+                  **options: Any) -> MetricSender:
+    """The MetricSender for the run at `coordinates` (its buffer sized by their buffer_points). Its requests, and
+    only its, run without MLflow's retries: MLflow retries a refused connection for minutes (7 tries with backoff)
+    and logs each retry as a urllib3 warning; the sender retries itself, with its own backoff, and stays quiet.
+    `options` go to MetricSender (a test's clock and backoff)."""
+    uri = coordinates["tracking_uri"]
+    sender = MetricSender(_batch_delivery(client, uri, coordinates["run_id"]),
+                          int(_setting(coordinates, "buffer_points", BUFFER_POINTS)), batch=METRIC_BATCH,
+                          where=f"the tracking server {mask(uri)}" if uri.startswith(("http:", "https:"))
+                          else f"the tracking store {mask(uri)}", tell=tell, final=_refused_for_good,
+                          reason=_short_reason, attempt_limit_s=SENDER_REQUEST_TIMEOUT_S, **options)
+    _QUIET_THREADS.threads.add(sender.thread_id)
+    return sender
+
+
+def _batch_delivery(client, tracking_uri: str, run_id: str) -> Callable[[list], None]:
+    """deliver(points) for a MetricSender: one log_batch of (key, value, timestamp, step) points. To a tracking
+    server, the REST request MlflowClient.log_batch makes, sent as check_server sends its own: no retries, a
+    SENDER_REQUEST_TIMEOUT_S timeout (MlflowClient takes neither per call, only from environment variables that
+    would change every other MLflow call of the process too). To a local store (SQLite, files), client.log_batch."""
+    from mlflow.entities import Metric
+
+    if not tracking_uri.startswith(("http://", "https://")):
+        return lambda points: client.log_batch(run_id, metrics=[Metric(*p) for p in points])
+    from mlflow.protos.service_pb2 import LogBatch
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.proto_json_utils import message_to_json
+    from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+    def deliver(points: list) -> None:
+        body = message_to_json(LogBatch(run_id=run_id, metrics=[Metric(*p).to_proto() for p in points]))
+        response = http_request(get_default_host_creds(tracking_uri), LOG_BATCH_ENDPOINT, "POST", max_retries=0,
+                                timeout=SENDER_REQUEST_TIMEOUT_S, json=json.loads(body))
+        verify_rest_response(response, LOG_BATCH_ENDPOINT)
+
+    return deliver
+
+
+def _refused_for_good(exc: BaseException) -> bool:
+    """The server answered and refused the batch (HTTP 4xx other than 408/429): sending it again cannot help.
+    A refused connection, a timeout or a 5xx (a server restarting behind a proxy) is the server being away."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(exc, MlflowException):
+        return False
+    status = exc.get_http_status_code()
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+def _short_reason(exc: BaseException) -> str:
+    """Why a delivery failed, in a few words (MLflow's message nests urllib3's, a URL and a repr or two deep)."""
+    status = re.search(r"too many (\d{3}) error responses", str(exc))
+    return f"HTTP {status.group(1)}" if status else _connection_problem(exc, SENDER_REQUEST_TIMEOUT_S)
+
+
+class _FromThreads(logging.Filter):
+    """Drops the records of the sender threads: their requests fail on purpose while a server is away, and the
+    sender says so once in its own words (a urllib3 or MLflow retry message would be one more line per request)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[int | None] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread not in self.threads
+
+
+_QUIET_THREADS = _FromThreads()
+for _name in ("urllib3.connectionpool", "mlflow.utils.rest_utils", "mlflow.utils.request_utils"):
+    logging.getLogger(_name).addFilter(_QUIET_THREADS)
+
+
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     out: dict[str, str] = {}
     if isinstance(data, dict):
@@ -137,13 +223,22 @@ def _client(tracking_uri: str):
 
 class RunLogger:
     """One MLflow run, from plain coordinates. Inactive (every call a no-op) without a URI and run id, or when
-    `enabled` is False (Train ranks other than 0)."""
+    `enabled` is False (Train ranks other than 0).
 
-    def __init__(self, coordinates: dict[str, str] | None, enabled: bool = True):
+    `background=True` (a training worker): `log_metrics` never waits for the tracking server. Its points go to a
+    MetricSender (jobs/services/metric_sender.py): a buffer of `buffer_points` (from the coordinates) and a thread
+    that delivers them, one request without MLflow's own retries at a time, retrying while the server is away;
+    `tell(line)` shows its few lines (unreachable, back, what was lost) to the user. `flush_metrics()` ends it."""
+
+    def __init__(self, coordinates: dict[str, str] | None, enabled: bool = True, background: bool = False,
+                 tell: Callable[[str], None] | None = None):
         self.coordinates = dict(coordinates or {})
         self.run_id = self.coordinates.get("run_id", "")
         active = enabled and bool(self.coordinates.get("tracking_uri")) and bool(self.run_id)
         self.client = _client(self.coordinates["tracking_uri"]) if active else None
+        self.sender: MetricSender | None = None
+        if active and background:
+            self.sender = metric_sender(self.client, self.coordinates, tell)
 
     @property
     def active(self) -> bool:
@@ -177,10 +272,24 @@ class RunLogger:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+        points = [(k, float(v), now, step or 0) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+        if self.sender is not None:
+            self.sender.put(points)
+            return
+        items = [Metric(*p) for p in points]
         for i in range(0, len(items), METRIC_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i:i + METRIC_BATCH])
+
+    def flush_metrics(self, timeout_s: float | None = None) -> int:
+        """The end of a background logger's metrics: waits up to `timeout_s` (default: the coordinates'
+        flush_timeout_s) for the buffered points to reach the server; returns how many never did (a line said so).
+        Later log_metrics calls go straight to the store. 0 for a logger without a sender."""
+        sender, self.sender = self.sender, None
+        if sender is None:
+            return 0
+        limit = _setting(self.coordinates, "flush_timeout_s", FLUSH_TIMEOUT_S) if timeout_s is None else timeout_s
+        return sender.close(limit)
 
     def logged_metric_names(self) -> set[str]:
         return set(self.client.get_run(self.run_id).data.metrics) if self.active else set()
@@ -341,21 +450,14 @@ def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config
     run_name = run_name or workflow_run_name(config_name, _next_number(client, experiment_id, config_name))
     run = client.create_run(experiment_id, run_name=run_name, tags={"bertpipe.kind": "workflow", **mask_data(tags),
                                                                      "mlflow.note.content": _workflow_note(tags)})
-    parent = RunLogger({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run.info.run_id})
-    _last_started.clear()
-    _last_started.update(parent.coordinates)
+    # The metric sender's settings travel with the coordinates, to the training workers that log into the run.
+    settings = (config.get("mlflow") if isinstance(config, dict) else None) or {}
+    sender = {key: str(settings[key]) for key in ("buffer_points", "flush_timeout_s") if key in settings}
+    parent = RunLogger({"tracking_uri": tracking_uri, "experiment_id": experiment_id, "run_id": run.info.run_id,
+                        **sender})
     parent.log_params(config)
     parent.log_dict(config, "resolved_config.json")
     return parent
-
-
-_last_started: dict[str, str] = {}  # the coordinates of the workflow run this process started last
-
-
-def last_workflow_run() -> dict[str, str]:
-    """The coordinates of the workflow run `start_workflow_run` created last in this process ({} if none): how the
-    CLI finds the MLflow run of a run that failed (compare with the value before the run: a new run id)."""
-    return dict(_last_started)
 
 
 def attach_bytes(coordinates: dict[str, str], blob: bytes, name: str, artifact_path: str) -> bool:
@@ -455,7 +557,7 @@ def check_server(tracking_uri: str, experiment: str, timeout_s: float = SERVER_C
             "is it an MLflow tracking server?")
 
 
-def _connection_problem(exc: Exception, timeout_s: float) -> str:
+def _connection_problem(exc: BaseException, timeout_s: float) -> str:
     import requests
 
     if isinstance(exc.__cause__, requests.exceptions.Timeout) or "timeout" in str(exc).lower():
