@@ -74,6 +74,15 @@ class MlflowConfig:
     run_name: str = ""
     # Model registry name of the pre-trained model; empty = bertpipe-<config name> (one name per config).
     registered_model: str = ""
+    # Training metric points a pre-training worker keeps while the tracking server is unreachable: training goes on
+    # and they are sent, in order, once it is back. A full buffer drops its oldest points (one line says so).
+    buffer_points: int = 100_000
+    # Seconds the end of pre-training waits for buffered points to reach the server; a line counts those that did not.
+    flush_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        at_least("mlflow", self, 1, "buffer_points")
+        at_least("mlflow", self, 0, "flush_timeout_s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,9 +114,6 @@ class RootConfig:
 # The presets: configs/ of a checkout, or bertpipe/configs/ of an installed wheel (pyproject's package data) or of a
 # job's staged code (jobs/submit.py): beside jobs/ in all three, so one rule finds them without the checkout.
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-# Config sections renamed, old name -> new: the old name still loads (in a file or a --set), with a warning naming
-# the new one. `finetune` was GLUE's alone, while SQuAD and NER fine-tune too.
-RENAMED_SECTIONS = {"finetune": "glue"}
 log = logging.getLogger("bertpipe.config")
 
 
@@ -158,9 +164,17 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     return cfg
 
 
+def renamed_sections_table() -> dict[str, str]:
+    """Config sections renamed, old name -> new: a renamed stage's section (named as the stage) was renamed with it,
+    and its old name still loads (in a file or a --set), with a warning naming the new one."""
+    from bertpipe.jobs.workflow.stages import STAGES  # imported here: the workflow's modules import this one
+
+    return {old: s.name for s in STAGES for old in s.old_names if s.name in s.sections}
+
+
 def renamed_sections(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` with every renamed section under its new name (RENAMED_SECTIONS), a warning for each."""
-    for old, new in RENAMED_SECTIONS.items():
+    """`data` with every renamed section under its new name, a warning for each."""
+    for old, new in renamed_sections_table().items():
         if old in data:
             if new in data:
                 raise ConfigError(f"config sections {new} and {old} (its old name) are both set: keep {new}")
@@ -172,9 +186,10 @@ def renamed_sections(data: dict[str, Any]) -> dict[str, Any]:
 def renamed_override(text: str) -> str:
     """A `--set` override with a renamed section's old name (`finetune.tasks=[MRPC]`) under the new one."""
     section, dot, rest = text.partition(".")
-    if dot and section.strip() in RENAMED_SECTIONS:
-        _warn_renamed(section.strip(), RENAMED_SECTIONS[section.strip()])
-        return f"{RENAMED_SECTIONS[section.strip()]}.{rest}"
+    renames = renamed_sections_table()
+    if dot and section.strip() in renames:
+        _warn_renamed(section.strip(), renames[section.strip()])
+        return f"{renames[section.strip()]}.{rest}"
     return text
 
 

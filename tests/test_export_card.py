@@ -1,4 +1,4 @@
-"""The pre-training export as a Hub-ready folder (jobs/export_card.py): transformers' AutoTokenizer,
+"""The pre-training export as a Hub-ready folder (jobs/pretrain/checkpointing/export_card.py): transformers' AutoTokenizer,
 AutoModelForPreTraining and AutoModelForMaskedLM load it offline, the tokenizer giving the product's ids, and its
 model card names the dump by checksum as the manifests record it, the steps, the held-out figures and the command.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bertpipe.jobs import export_card
+from bertpipe.jobs.pretrain.checkpointing import export_card
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.pipeline.formats.tokenizer import load_tokenizer, tokenizer_files
 from bertpipe.pipeline.framework.paths import WorkdirPaths

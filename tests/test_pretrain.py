@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from bertpipe.jobs.export_card import CARD_FILES
+from bertpipe.jobs.pretrain.checkpointing.export_card import CARD_FILES
 from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,15 @@ def test_a_new_stage_runs_skips_and_goes_stale_through_the_workflow(with_toy, tm
     assert rows["toy"]["state"] == "stale"
     assert main(args[:6] + ["lines"] + args[7:]) == 0  # by its old name
     assert read_manifest(str(workdir / "toy"))["num_rows"] == 4
+
+
+def test_the_stage_list_imports_every_stages_code_so_tools_follow_it():
+    """No "module:function" strings: the stage list's own imports reach each stage's module (an import graph of
+    the workflow shows every stage)."""
+    import ast
+
+    source = Path(stages.__file__).read_text()
+    imported = {f"{node.module}.{alias.name}" for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    for stage in stages.STAGES:
+        assert stage.code().__name__ in imported, stage.name

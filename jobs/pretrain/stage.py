@@ -20,15 +20,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.jobs import export_card
+from bertpipe.jobs.pretrain.checkpointing import export_card
 from bertpipe.jobs.services.capacity import FIX, Need, ask_autoscaler, release_request, wait_for
+from bertpipe.jobs.services.code_version import COMMIT_TAG, code_version
 from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.jobs.services.interrupts import Interrupted
 from bertpipe.jobs.pretrain.attempts import AttemptWatch
 from bertpipe.jobs.pretrain import runs
+from bertpipe.jobs.pretrain.init import describe_raw_inputs  # noqa: F401 - the stage's raw inputs: pretrain.init's files
 from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
 from bertpipe.jobs.pretrain.checkpointing.folders import state_of, step_of, survey, take_stop_reason
-from bertpipe.jobs.pretrain.config import PretrainConfig, layout_warning
+from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import train_loop_per_worker
 from bertpipe.jobs.pretrain.data.masking import COLUMNS
@@ -107,8 +109,12 @@ def preflight(ctx: StageContext) -> None:
     from bertpipe.pipeline.formats.shards import list_shards
     from bertpipe.pipeline.formats.vocabulary import load_vocab, vocab_file, vocab_hash
 
-    cfg: PretrainConfig = ctx.config["pretrain"]
+    cfg = ctx.section(PretrainConfig)
+    if ctx.local_ray_cpus:  # the local Ray this run will start: refuse a layout that would hang on it now
+        check_resources(cfg, {"CPU": ctx.local_ray_cpus, "GPU": cfg.num_workers})
     vocab, pairs = ctx.input("vocab"), ctx.input("pairs")
+    if not pairs.explicit and "pairs" in ctx.config:  # pairs runs before it in this workflow
+        check_phase_lengths(cfg, ctx.config["pairs"].max_seq_lengths)
     if vocab.explicit:
         load_vocab(vocab_file(vocab.uri))
     elif pairs.explicit:
@@ -124,14 +130,24 @@ def preflight(ctx: StageContext) -> None:
         init_heads(ctx)
 
 
+def check_phase_lengths(cfg: PretrainConfig, written: tuple[int, ...]) -> None:
+    """Pre-training reads one shard set per phase: pairs must write (`written`: pairs.max_seq_lengths) every length a
+    phase with steps trains at, or the run would fail only after clean, vocab and pairs ran."""
+    wanted = [ph.max_seq_length for ph, steps in zip(cfg.phases, cfg.phase_steps()) if steps]
+    lacking = [n for n in wanted if n not in written]
+    if lacking:
+        raise StageInputError(f"pretrain.phases train at max_seq_length {lacking} but pairs.max_seq_lengths is "
+                              f"{list(written)}: add the length to pairs, or change the phases")
+
+
 def init_heads(ctx: StageContext) -> list[str]:
     """pretrain.init's weights checked against the model (names, shapes; jobs/pretrain/init.py) and the heads they
     lack, by Hugging Face name."""
     from bertpipe.jobs.pretrain.init import missing_heads
     from bertpipe.pipeline.formats.vocabulary import load_vocab, vocab_file
 
-    cfg: PretrainConfig = ctx.config["pretrain"]
-    return missing_heads(cfg.init, ctx.config["model"], len(load_vocab(vocab_file(ctx.input("vocab").uri))))
+    cfg = ctx.section(PretrainConfig)
+    return missing_heads(cfg.init, ctx.section(ModelConfig), len(load_vocab(vocab_file(ctx.input("vocab").uri))))
 
 
 def run_identity(ctx: StageContext) -> dict[str, Any]:
@@ -241,7 +257,7 @@ def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name:
     vocab_uri = vocab_file(ctx.input("vocab").uri)
     tokens = load_vocab(vocab_uri)  # validated: special tokens present, no duplicates
     init_config = json.loads(storage.read_bytes(storage.join(cfg.init, "config.json"))) if cfg.init else {}
-    return WorkerSpec(pretrain=cfg, model=ctx.config["model"], seed=ctx.seed, vocab_tokens=tokens,
+    return WorkerSpec(pretrain=cfg, model=ctx.section(ModelConfig), seed=ctx.seed, vocab_tokens=tokens,
                       vocab_bytes=storage.read_bytes(vocab_uri), tracking=dict(ctx.tracking),
                       export_uri=export_of(ctx.output_uri), storage_path=storage_path, run_name=name,
                       init=cfg.init, init_config=init_config)
@@ -295,18 +311,18 @@ def model_card(ctx: StageContext, metrics: dict[str, float], run: RunLogger) -> 
                                        "seed": ctx.seed})[:12],
            "data": inputs.get("pairs", ""), "vocab": inputs.get("vocab", ""),
            "steps": str(int(metrics.get("step", 0)))}
-    if tags.get("bertpipe.git_commit", "unknown") != "unknown":  # a git checkout
-        out["git_commit"] = tags["bertpipe.git_commit"] + ("-dirty" if tags.get("bertpipe.git_dirty") == "true" else "")
+    if tags.get(COMMIT_TAG, "unknown") != "unknown":  # a git checkout
+        out["git_commit"] = code_version(tags)
     out = {k: v for k, v in out.items() if v}
     figures = [f"{what} {metrics[f'eval_{task}_accuracy']:.3f}"
                + (f" (baseline {metrics[f'baseline_{task}_accuracy']:.3f})"
                   if f"baseline_{task}_accuracy" in metrics else "")
                for task, what in (("mlm", "MLM accuracy"), ("nsp", "NSP accuracy"))
                if f"eval_{task}_accuracy" in metrics]
-    cfg: PretrainConfig = ctx.config["pretrain"]
+    cfg = ctx.section(PretrainConfig)
     lengths = [p.max_seq_length for p, n in zip(cfg.phases, cfg.phase_steps()) if n]
     text = ("Held-out " + ", ".join(figures) + ". " if figures else "") + (
-        f"{ctx.config['model'].preset} BERT{f' continued from {cfg.init}' if cfg.init else ''}, {out['steps']} "
+        f"{ctx.section(ModelConfig).preset} BERT{f' continued from {cfg.init}' if cfg.init else ''}, {out['steps']} "
         f"optimizer steps at seq "
         f"{' then '.join(map(str, lengths))}, on pairs output `{out.get('data', '')}`")
     if parent.get("mlflow.runName"):
@@ -391,7 +407,7 @@ def run_stage(ctx: StageContext) -> StageResult:
     import concurrent.futures
 
     started = time.time()
-    cfg: PretrainConfig = ctx.config["pretrain"]
+    cfg = ctx.section(PretrainConfig)
     wait_for_capacity(cfg, ctx.wait_for_resources_s, ctx.console)
     if layout_warning(cfg):
         log.warning("%s", layout_warning(cfg))
@@ -442,3 +458,28 @@ def run_stage(ctx: StageContext) -> StageResult:
                               "mlflow_model": model_uri, "train_rows": spec.rows, "start": start,
                               "checkpoint": result.checkpoint.path if result.checkpoint else ""},
                        outputs=[*(f"export/{name}" for name in EXPORT_FILES), *learning_files])
+
+
+# The workflow run's headline figures from pre-training: {manifest metric: MLflow name}, one value each.
+HEADLINE = {n: f"pretrain/{n}" for n in ("loss", "eval_mlm_accuracy", "eval_nsp_accuracy", "baseline_mlm_accuracy",
+                                        "baseline_nsp_accuracy")}
+
+
+def headline_metrics(manifest_metrics: dict[str, Any]) -> dict[str, float]:
+    """Pre-training's final loss, held-out accuracies and their baselines, under the workflow run's names."""
+    return {name: manifest_metrics[n] for n, name in HEADLINE.items()
+            if isinstance(manifest_metrics.get(n), (int, float))}
+
+
+def latest_start(ctx: StageContext, manifest: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What pre-training resumed from (step, checkpoint, layout then and now) or started from (pretrain.init or
+    random), as start_record wrote it: the committed run's (its manifest), or a later start's (its run folder's
+    identity record: a run in progress, or one that failed)."""
+    cfg = ctx.section(PretrainConfig)
+    committed = ((manifest or {}).get("extra") or {}).get("start")
+    try:
+        later = runs.latest_start(cfg.storage_path or ctx.paths.ray_results, cfg.run_name)
+    except (OSError, ValueError):
+        later = None
+    found = [r for r in (committed, later) if isinstance(r, dict) and "started_from" in r]
+    return max(found, key=lambda r: r.get("at", 0.0)) if found else None
