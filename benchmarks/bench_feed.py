@@ -4,10 +4,10 @@ binning window 8, dynamic masking, pinned host memory and a non-blocking copy wh
 
     python benchmarks/bench_feed.py [--rows 40000] [--cpus 2]
 
-- stages: shard rows already in memory → length binning → masking/collate → host-to-device copy, each timed alone
+- stages: shard rows already in memory → length binning → masking/mask_batch → host-to-device copy, each timed alone
   on one thread (the training process's share of the work);
 - end to end: Ray Data (read_parquet → streaming_split → iter_batches with the loop's prefetch and local
-  shuffle), then binning, collate and copy, as `streams.epoch_batches` + `run_epoch` do, on a local Ray of `--cpus`.
+  shuffle), then binning, mask_batch and copy, as `streams.epoch_batches` + `run_epoch` do, on a local Ray of `--cpus`.
 
 The target (issue 23): ≥ 3,000 sequences/s at seq 128 per worker. An H100 trains BERT-Large at ~1,440 seq/s.
 Shards are synthetic at BERT's vocabulary size; rows are L/2 … L-3 tokens long (more padding work than real
@@ -46,7 +46,7 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
 
     from bertpipe.jobs.pretrain import worker
     from bertpipe.jobs.pretrain.data.length_binning import length_binned
-    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, mask_batch
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
     raws = list(host_batches(table, micro))
@@ -54,12 +54,12 @@ def stage_rates(table, L: int, micro: int, P: int, vocab) -> dict[str, float]:
     started = time.perf_counter()
     binned = list(length_binned(iter(raws), 8, np.random.default_rng(1)))
     t_bin = time.perf_counter() - started
-    t_collate, batches = timed(lambda ib: collate(ib[1], spec, batch_rng(1, 0, 0, 0, ib[0])), enumerate(binned))
+    t_collate, batches = timed(lambda ib: mask_batch(ib[1], spec, batch_rng(1, 0, 0, 0, ib[0])), enumerate(binned))
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     t_copy, _ = timed(lambda b: worker.to_device(b, device), batches)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return {"length binning": n / t_bin, "masking + collate": n / t_collate,
+    return {"length binning": n / t_bin, "masking + mask_batch": n / t_collate,
             f"to {device.type}" + (" (pinned, non-blocking)" if device.type == "cuda" else ""): n / t_copy,
             "stages together (one thread)": n / (t_bin + t_collate + t_copy)}
 
@@ -70,7 +70,7 @@ def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
 
     from bertpipe.jobs.pretrain import worker
     from bertpipe.jobs.pretrain.data.length_binning import length_binned
-    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, mask_batch
     from bertpipe.pipeline.framework.ray_reads import read_parquet
 
     spec = MaskingSpec.from_vocab(vocab, max_seq_length=L, max_predictions=P)
@@ -84,7 +84,7 @@ def end_to_end(files: list[str], L: int, micro: int, P: int, vocab) -> float:
         if started is None:  # from the first batch on: Ray Data's start-up is not the steady rate
             started = time.perf_counter()
             continue
-        worker.to_device(collate(raw, spec, batch_rng(1, 0, 0, 0, i)), device)
+        worker.to_device(mask_batch(raw, spec, batch_rng(1, 0, 0, 0, i)), device)
         n += len(raw["next_sentence_label"])
     return n / (time.perf_counter() - started)
 

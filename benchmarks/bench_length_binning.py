@@ -76,7 +76,7 @@ def main() -> None:
     import torch
 
     from bertpipe.jobs.pretrain.data.length_binning import length_binned, padding_fraction, row_lengths
-    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, mask_batch
     from bertpipe.jobs.pretrain.config import PretrainConfig
     from bertpipe.model import BertConfig, BertForPreTraining
 
@@ -99,7 +99,7 @@ def main() -> None:
             # Warm up both shapes' kernels, then interleave the two sides batch by batch.
             for i in range(-2, n):
                 for side, batches in enumerate((plain, binned)):
-                    b = collate(batches[max(i, 0)], spec, batch_rng(0, 0, 0, 0, max(i, 0)))
+                    b = mask_batch(batches[max(i, 0)], spec, batch_rng(0, 0, 0, 0, max(i, 0)))
                     t0 = time.perf_counter()
                     opt.zero_grad(set_to_none=True)
                     model(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_positions"],

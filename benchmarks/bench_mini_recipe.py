@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import torch
 
 from bertpipe.jobs.pretrain.learning.baselines import baselines
-from bertpipe.jobs.pretrain.data.masking import MaskingSpec, collate
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec, mask_batch
 from bertpipe.model import BertForPreTraining
 from bertpipe.model.config import BertConfig
 from bertpipe.model.training import param_groups, warmup_decay
@@ -60,7 +60,7 @@ def evaluate(model, rows, spec) -> tuple[float, float]:
     n = len(rows["input_ids"])
     with torch.no_grad():
         for i in range(0, n, 64):
-            b = collate(batch_of(rows, range(i, min(i + 64, n))), spec, rng)
+            b = mask_batch(batch_of(rows, range(i, min(i + 64, n))), spec, rng)
             out = model(**b)
             mlm_right += int(out.mlm_correct)
             mlm_count += int(out.mlm_count)
@@ -131,7 +131,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         if pos + args.batch > n:
             order, pos = rng.permutation(n), 0
-        out = model(**collate(batch_of(train, order[pos:pos + args.batch]), train_spec, rng))
+        out = model(**mask_batch(batch_of(train, order[pos:pos + args.batch]), train_spec, rng))
         pos += args.batch
         (args.mlm_weight * out.mlm_loss + args.nsp_weight * out.nsp_loss).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

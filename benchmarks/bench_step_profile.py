@@ -82,14 +82,14 @@ def _current() -> bool:
 
 def micro_step(w, meter, raw, index, new_api, boundary_timer):
     """What loop.run_epoch does for one micro-batch, with engine.step() at a boundary timed apart."""
-    from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch
 
     if _current():
         from bertpipe.jobs.pretrain import worker as helpers
     else:  # the reference commit kept the batch helpers in loop.py
         from bertpipe.jobs.pretrain import loop as helpers
     spec = helpers.masking_spec(w, w.spec.pretrain.phases[0])
-    batch = collate(raw, spec, batch_rng(1, 0, 0, 0, index))
+    batch = mask_batch(raw, spec, batch_rng(1, 0, 0, 0, index))
     if new_api:
         batch = helpers.to_device(batch, w.device)
     out = helpers.forward(w, batch)

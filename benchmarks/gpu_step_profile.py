@@ -1,5 +1,5 @@
 """Where a pre-training step's time goes on a GPU: the product's engine (engine.build_engine: DeepSpeed bf16, ZeRO,
-torch fused AdamW or our LAMB, engine.compile()) driven the way loop.run_epoch drives it (collate → pinned copy →
+torch fused AdamW or our LAMB, engine.compile()) driven the way loop.run_epoch drives it (mask_batch → pinned copy →
 forward/backward/step → Meter), one rank, no Ray, no data loading. Per configuration it prints sequences/s (no
 profiler), then from a torch.profiler trace per optimizer step: host (CPU) milliseconds, GPU busy milliseconds
 (kernels + copies, merged), kernel launches, and host waits for the device (aten::_local_scalar_dense and
@@ -58,12 +58,12 @@ def micro_step(w, meter, raw, index):
     import time as _t
 
     from bertpipe.jobs.pretrain import loop
-    from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch
     from bertpipe.jobs.pretrain.worker import masking_spec, to_device
 
     started = _t.perf_counter()
     phase = w.spec.pretrain.phases[0]
-    batch = to_device(collate(raw, masking_spec(w, phase), batch_rng(1, 0, 0, 0, index)), w.device)
+    batch = to_device(mask_batch(raw, masking_spec(w, phase), batch_rng(1, 0, 0, 0, index)), w.device)
     before = w.engine.global_steps
     out = loop.train_step(w, batch, index)
     meter.add(out, batch["attention_mask"], _t.perf_counter() - started)

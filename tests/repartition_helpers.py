@@ -43,13 +43,13 @@ def layout(zero: int, workers: int) -> dict:
 
 def global_batches() -> list[dict[str, torch.Tensor]]:
     """BEFORE + AFTER global batches of GLOBAL rows, masked once (the same masks on every layout)."""
-    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, collate
+    from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, mask_batch
 
     import pretrain_helpers as h
     from engine_helpers import raw_batches
 
     spec = MaskingSpec.from_vocab(h.TOKENS, max_seq_length=SEQ, max_predictions=PREDS)
-    return [collate(raw, spec, batch_rng(7, 0, 0, 0, i)) for i, raw in enumerate(raw_batches(BEFORE + AFTER, GLOBAL,
+    return [mask_batch(raw, spec, batch_rng(7, 0, 0, 0, i)) for i, raw in enumerate(raw_batches(BEFORE + AFTER, GLOBAL,
                                                                                               SEQ))]
 
 

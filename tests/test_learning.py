@@ -12,7 +12,7 @@ import pytest
 from bertpipe.jobs.config import load_config
 from bertpipe.jobs.pretrain.learning.baselines import baselines, best_threshold
 from bertpipe.jobs.pretrain.learning.curves import curve_pngs
-from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, collate
+from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, mask_batch
 from bertpipe.pipeline.formats.shards import shard_meta, shard_schema, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def wwm_spec(**kw) -> MaskingSpec:
 
 def test_whole_word_masking_masks_every_piece_of_a_chosen_word_and_keeps_the_budget():
     batch = word_rows(np.random.default_rng(0), 300)
-    out = collate(batch, wwm_spec(), np.random.default_rng(1))
+    out = mask_batch(batch, wwm_spec(), np.random.default_rng(1))
     chosen_total = budget_total = multi_piece = 0
     for b, row in enumerate(batch["input_ids"]):
         used = out["masked_lm_labels"][b] != IGNORE_INDEX
@@ -85,14 +85,14 @@ def test_whole_word_masking_masks_every_piece_of_a_chosen_word_and_keeps_the_bud
 def test_whole_word_masking_keeps_80_10_10_and_is_seeded():
     batch = word_rows(np.random.default_rng(2), 2000)
     spec = wwm_spec()
-    out = collate(batch, spec, np.random.default_rng(3))
+    out = mask_batch(batch, spec, np.random.default_rng(3))
     ids, labels, pos = out["input_ids"].numpy(), out["masked_lm_labels"].numpy(), out["masked_positions"].numpy()
     used = labels != IGNORE_INDEX
     new = ids[np.nonzero(used)[0], pos[used]]
     assert 0.78 < (new == spec.mask_id).mean() < 0.82
     assert 0.09 < (new == labels[used]).mean() < 0.12  # 10% kept + random draws of the same token
-    again = collate(batch, spec, np.random.default_rng(3))
-    other = collate(batch, spec, np.random.default_rng(4))
+    again = mask_batch(batch, spec, np.random.default_rng(3))
+    other = mask_batch(batch, spec, np.random.default_rng(4))
     assert all(np.array_equal(out[k], again[k]) for k in out)
     assert not np.array_equal(out["masked_positions"], other["masked_positions"])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, batch_rng, collate
+from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, batch_rng, mask_batch
 
 # vocabulary of 99: the five specials, then words; ids 50.. are "##" continuation pieces
 TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(45)] + [f"##p{i}" for i in range(49)]
@@ -36,7 +36,7 @@ def spec(**kw):
 def test_shapes_padding_and_segments_at_odd_sizes():
     rng = np.random.default_rng(1)
     batch = make_rows(rng, 13, 5, 37)
-    out = collate(batch, spec(max_predictions=7), np.random.default_rng(0))
+    out = mask_batch(batch, spec(max_predictions=7), np.random.default_rng(0))
     longest = max(len(r) for r in batch["input_ids"])
     B, T = out["input_ids"].shape
     assert B == 13 and T % 8 == 0 and longest <= T < longest + 8
@@ -63,7 +63,7 @@ def test_recipe_fractions_and_specials():
     rng = np.random.default_rng(2)
     batch = make_rows(rng, 3000, 20, 101)
     s = spec(max_predictions=40)
-    out = collate(batch, s, np.random.default_rng(5))
+    out = mask_batch(batch, s, np.random.default_rng(5))
     ids, labels, pos = out["input_ids"].numpy(), out["masked_lm_labels"].numpy(), out["masked_positions"].numpy()
     used = labels != IGNORE_INDEX
     num_real = np.array([len(r) - 3 for r in batch["input_ids"]])  # minus [CLS] and two [SEP]
@@ -83,16 +83,16 @@ def test_recipe_fractions_and_specials():
 def test_cap_at_max_predictions():
     rng = np.random.default_rng(3)
     batch = make_rows(rng, 5, 100, 127)
-    out = collate(batch, spec(max_predictions=3), np.random.default_rng(0))
+    out = mask_batch(batch, spec(max_predictions=3), np.random.default_rng(0))
     assert ((out["masked_lm_labels"] != IGNORE_INDEX).sum(1) == 3).all()
 
 
 def test_seeded_per_batch_and_reproducible():
     batch = make_rows(np.random.default_rng(4), 9, 10, 60)
-    a = collate(batch, spec(), batch_rng(7, 0, 1, 0, 3))
-    b = collate(batch, spec(), batch_rng(7, 0, 1, 0, 3))
-    c = collate(batch, spec(), batch_rng(7, 0, 1, 1, 3))  # another worker
-    d = collate(batch, spec(), batch_rng(7, 0, 2, 0, 3))  # another epoch
+    a = mask_batch(batch, spec(), batch_rng(7, 0, 1, 0, 3))
+    b = mask_batch(batch, spec(), batch_rng(7, 0, 1, 0, 3))
+    c = mask_batch(batch, spec(), batch_rng(7, 0, 1, 1, 3))  # another worker
+    d = mask_batch(batch, spec(), batch_rng(7, 0, 2, 0, 3))  # another epoch
     assert all((a[k] == b[k]).all() for k in a)
     assert not (a["masked_positions"] == c["masked_positions"]).all()
     assert not (a["masked_positions"] == d["masked_positions"]).all()
@@ -102,7 +102,7 @@ def test_whole_word_masking_takes_every_piece_of_a_word():
     rng = np.random.default_rng(6)
     batch = make_rows(rng, 400, 20, 80)
     s = spec(whole_word=True, max_predictions=30)
-    out = collate(batch, s, np.random.default_rng(1))
+    out = mask_batch(batch, s, np.random.default_rng(1))
     saw_word = 0
     for b, row in enumerate(batch["input_ids"]):
         used = out["masked_lm_labels"][b] != IGNORE_INDEX
@@ -120,7 +120,7 @@ def test_whole_word_masking_takes_every_piece_of_a_word():
 def test_too_long_rows_are_refused():
     batch = make_rows(np.random.default_rng(0), 3, 50, 120)
     with pytest.raises(ValueError, match="max_seq_length"):
-        collate(batch, spec(max_seq_length=16), np.random.default_rng(0))
+        mask_batch(batch, spec(max_seq_length=16), np.random.default_rng(0))
 
 
 def test_missing_special_token_in_vocab():

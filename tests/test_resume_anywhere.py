@@ -152,8 +152,8 @@ def test_a_micro_batch_change_mid_epoch_trains_every_sequence_of_the_epoch_once(
     from bertpipe.jobs.pretrain import loop
 
     trained = []
-    collate = loop.collate
-    monkeypatch.setattr(loop, "collate", lambda raw, *a: trained.append(raw["row"].tolist()) or collate(raw, *a))
+    mask_batch = loop.mask_batch
+    monkeypatch.setattr(loop, "mask_batch", lambda raw, *a: trained.append(raw["row"].tolist()) or mask_batch(raw, *a))
     base = dict(num_workers=1, max_steps=7, log_every_steps=100, checkpoint_every_steps=10**6, eval_every_steps=0,
                 length_bin_window=1)
     eight = tiny_config(**base, phases=(PhaseConfig(max_seq_length=32, max_predictions_per_seq=5, global_batch_size=16,

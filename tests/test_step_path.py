@@ -15,7 +15,7 @@ import engine_helpers as eh
 from bertpipe.jobs.pretrain import loop, worker
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.engine.build import compile_enabled
-from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
+from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.metrics.meter import Meter, NonFiniteError
@@ -140,7 +140,7 @@ def test_meter_sums_what_the_model_returned():
         meter = Meter(w.device)
         outs, spec = [], worker.masking_spec(w, cfg.phases[0])
         for i, raw in enumerate(eh.raw_batches(3, 4, 32)):
-            batch = worker.to_device(collate(raw, spec, batch_rng(1, 0, 0, 0, i)), w.device)
+            batch = worker.to_device(mask_batch(raw, spec, batch_rng(1, 0, 0, 0, i)), w.device)
             with torch.no_grad():
                 out = worker.forward(w, batch)
             meter.add(out, batch["attention_mask"], 0.0)

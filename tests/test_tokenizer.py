@@ -241,7 +241,7 @@ def test_pretraining_export_carries_the_casing_of_its_shards(tmp_path):
 
     import pyarrow as pa
 
-    from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES, data_lowercase, export_model
+    from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES, data_lowercase, write_export
     from bertpipe.jobs.services.tracking import RunLogger
     from bertpipe.model import BertConfig, BertForPreTraining
     from bertpipe.pipeline.formats import shards
@@ -260,7 +260,7 @@ def test_pretraining_export_carries_the_casing_of_its_shards(tmp_path):
     assert data_lowercase({8: shard(False)}) is False
     model = BertForPreTraining(BertConfig.preset("tiny", vocab_size=len(CASED_TOKENS), num_hidden_layers=1))
     vocab = ("\n".join(CASED_TOKENS) + "\n").encode()
-    export_model(SimpleNamespace(module=model), vocab, str(tmp_path / "export"), 0, 0, RunLogger(None),
+    write_export(SimpleNamespace(module=model), vocab, str(tmp_path / "export"), 0, 0, RunLogger(None),
                  data_lowercase({8: shard(False)}))
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == sorted(EXPORT_FILES)
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))

@@ -8,7 +8,7 @@ import torch
 import engine_helpers as eh
 from bertpipe.jobs.pretrain import loop, worker
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
-from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
+from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch
 
 
 def run(cfg, precision, fast: bool, steps=4):
@@ -19,7 +19,7 @@ def run(cfg, precision, fast: bool, steps=4):
         del zero.get_grad_norm_direct, zero.unscale_and_clip_grads
     spec, norms = worker.masking_spec(w, cfg.phases[0]), []
     for i, raw in enumerate(eh.raw_batches(steps, 8, 32)):
-        batch = worker.to_device(collate(raw, spec, batch_rng(1, 0, 0, 0, i)), w.device)
+        batch = worker.to_device(mask_batch(raw, spec, batch_rng(1, 0, 0, 0, i)), w.device)
         loop.train_step(w, batch, 1000 + i)
         norms.append(float(w.engine.get_global_grad_norm()))
     weights = {k: p.detach().float().clone() for k, p in w.engine.module.named_parameters()}

@@ -8,7 +8,7 @@ import torch
 
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.engine.build import compile_enabled
-from bertpipe.jobs.pretrain.data.masking import batch_rng, collate
+from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch
 from bertpipe.jobs.pretrain.metrics.meter import all_sum
 from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, to_device
 
@@ -29,7 +29,7 @@ def evaluate_heldout(w: Worker, phase: PhaseConfig, training_masks: bool = True)
     w.engine.eval()
     with torch.no_grad():
         for i, raw in enumerate(batches):
-            out = forward(w, to_device(collate(raw, spec, batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, i)),
+            out = forward(w, to_device(mask_batch(raw, spec, batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, i)),
                                        w.device))
             totals += torch.stack([out.mlm_correct.float(), out.mlm_count.float(), out.nsp_correct.float(),
                                    out.mlm_loss.detach().float() * out.mlm_count.float()]).double()
@@ -57,7 +57,7 @@ def time_eval_batches(w: Worker) -> None:
             batches = w.data.heldout_batches(phase) if steps else []
             if batches:
                 rng = batch_rng(w.spec.seed, EVAL_PHASE, 0, w.rank, 0)
-                batch = to_device(collate(batches[0], masking_spec(w, phase, False), rng), w.device)
+                batch = to_device(mask_batch(batches[0], masking_spec(w, phase, False), rng), w.device)
                 forward(w, batch)
                 started = time.perf_counter()
                 forward(w, batch)

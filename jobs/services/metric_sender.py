@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Protocol
 
+from bertpipe.jobs.services.causes import first_line
+
 log = logging.getLogger("bertpipe.mlflow")
 
 BACKOFF_S = (1.0, 15.0)  # first retry after 1 s, doubling, never more than 15 s apart: a server back is seen soon
@@ -42,10 +44,6 @@ class MonotonicClock:
     def sleep(self, seconds: float, interrupt: threading.Event) -> None:
         interrupt.wait(max(seconds, 0.0))
 
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def duration(seconds: float) -> str:

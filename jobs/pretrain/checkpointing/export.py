@@ -21,7 +21,7 @@ def data_lowercase(heldout: dict[int, str]) -> bool:
     return bool(read_shard_meta(next(iter(heldout.values()))).get("do_lower_case", True)) if heldout else True
 
 
-def export_model(engine, vocab_bytes: bytes, export_uri: str, zero_stage: int, rank: int, run, lowercase: bool) -> None:
+def write_export(engine, vocab_bytes: bytes, export_uri: str, zero_stage: int, rank: int, run, lowercase: bool) -> None:
     """HF-layout export (model.safetensors, config.json, vocab.txt and the tokenizer's files with its casing,
     `lowercase`) to `export_uri` from rank 0, also logged to MLflow. Under ZeRO-3 every rank takes part in
     gathering the full parameters."""

@@ -140,7 +140,7 @@ def save_dir(engine, d: str, position: dict) -> None:
         json.dump(position, f)
 
 
-def load(engine, checkpoint, now: dict, local_rank: int) -> dict:
+def load_checkpoint(engine, checkpoint, now: dict, local_rank: int) -> dict:
     """Restore engine, optimizer and scheduler state (re-partitioned when the checkpoint was taken on another
     number of workers under ZeRO 1-3: `now` is this layout); returns the checkpoint's position.json."""
     with checkpoint.as_directory() as d:
@@ -156,7 +156,7 @@ def load_dir(engine, d: str, now: dict, local_rank: int) -> dict:
         raw = f.read()
     state = json.loads(raw)
     if repartition_needed(state.get("layout"), now):
-        repartition.load(engine, d, CKPT_TAG, raw, local_rank)
+        repartition.load_repartitioned(engine, d, CKPT_TAG, raw, local_rank)
     else:
         engine.load_checkpoint(d, tag=CKPT_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
     return state

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from bertpipe.jobs.pretrain import runs
 from bertpipe.jobs.pretrain.checkpointing import folders
-from bertpipe.jobs.pretrain.checkpointing.export import data_lowercase, export_model
+from bertpipe.jobs.pretrain.checkpointing.export import data_lowercase, write_export
 from bertpipe.jobs.pretrain.checkpointing.resume import Position, position_of, resume_plan
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import RunLogger
@@ -68,7 +68,7 @@ class CheckpointManager:
     def load(self, checkpoint) -> dict[str, Any]:
         """Engine, optimizer and LR scheduler state from a Ray Train checkpoint, re-partitioned when it was taken on
         another number of workers under ZeRO 1-3; returns its position.json."""
-        return folders.load(self.engine, checkpoint, self.layout, self.local_rank)
+        return folders.load_checkpoint(self.engine, checkpoint, self.layout, self.local_rank)
 
     def resumed_position(self, state: dict[str, Any]) -> Position:
         """Where this worker goes on from a loaded checkpoint's position.json (`state`): where it was taken, or, if
@@ -91,7 +91,7 @@ class CheckpointManager:
         """The model in Hugging Face layout with its tokenizer files, where fine-tuning reads it (and as `run`'s
         artifacts); with the casing its shards were made with."""
         spec = self.spec
-        export_model(self.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, self.rank, run,
+        write_export(self.engine, spec.vocab_bytes, spec.export_uri, spec.pretrain.zero_stage, self.rank, run,
                      data_lowercase(spec.heldout))
 
     def stop_for_good(self, reason: str) -> None:

@@ -72,7 +72,7 @@ def convert(checkpoint_dir: str, tag: str, out_root: str) -> str:
     return f"{time.perf_counter() - started:.1f} s"
 
 
-def load(engine: Any, checkpoint_dir: str, tag: str, state_bytes: bytes, local_rank: int) -> None:
+def load_repartitioned(engine: Any, checkpoint_dir: str, tag: str, state_bytes: bytes, local_rank: int) -> None:
     """Load `checkpoint_dir/tag` (taken on another number of workers) into `engine`, every rank at once:
     weights, optimizer state re-partitioned, LR scheduler, step."""
     out_root = universal_folder(state_bytes)

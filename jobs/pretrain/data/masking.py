@@ -12,7 +12,7 @@ Differences from the original, on purpose:
 Every batch gets its own generator seeded by (seed, phase, epoch, rank, batch index), so skipping the first
 k batches of an epoch on resume reproduces exactly the masks an uninterrupted run would have drawn.
 
-Pure numpy/torch, no Ray: a test calls `collate` on an in-memory batch.
+Pure numpy/torch, no Ray: a test calls `mask_batch` on an in-memory batch.
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from bertpipe.model.bert import IGNORE_INDEX
 from bertpipe.model.training import round_up
+from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS
 
-IGNORE_INDEX = -100
-# The shard columns collate reads: what the pre-training streams and the held-out reads (heldout.py) select.
+# The shard columns mask_batch reads: what the pre-training streams and the held-out reads (heldout.py) select.
 COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _choose_words(ids: np.ndarray, candidates: np.ndarray, num_to_predict: np.nd
     return out
 
 
-def collate(batch: dict[str, Any], spec: MaskingSpec, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+def mask_batch(batch: dict[str, Any], spec: MaskingSpec, rng: np.random.Generator) -> dict[str, torch.Tensor]:
     """Shard rows → the BertForPreTraining inputs, as int64 tensors:
     input_ids, token_type_ids, attention_mask [B, T]; masked_positions, masked_lm_labels [B, P]
     (P = max_predictions; unused slots position 0, label -100); next_sentence_label [B]."""

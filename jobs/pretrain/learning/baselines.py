@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
-from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, collate
+from bertpipe.jobs.pretrain.data.masking import IGNORE_INDEX, MaskingSpec, mask_batch
 from bertpipe.pipeline.framework import storage
 
 BASELINE_SEED = 20_191  # any fixed value: the baseline's masks are the same on every run
@@ -60,7 +60,7 @@ def heldout_targets(uri: str, spec: MaskingSpec, batch_size: int = 256) -> np.nd
         batch = {"input_ids": part.column("input_ids").to_pylist(),
                  "segment_b_start": part.column("segment_b_start").to_numpy(),
                  "next_sentence_label": part.column("next_sentence_label").to_numpy()}
-        labels = collate(batch, spec, rng)["masked_lm_labels"].numpy()
+        labels = mask_batch(batch, spec, rng)["masked_lm_labels"].numpy()
         targets.append(labels[labels != IGNORE_INDEX])
     return np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64)
 
