@@ -7,9 +7,10 @@ poll of the progress board (pipeline/framework/console.py `remote_progress(watch
 step and fields. It notices:
 - a node that was alive when training started and is gone now: at once, the progress line says so ("a worker node
   (10.0.0.7, 2 CPUs) was lost at step 62: restarting the workers") and drops the old attempt's ETA;
-- a new attempt's rank 0 reporting where it resumed (`attempt_started`, `resumed_from`, sent by loop.py after
-  restoring): the restart's one line, "a worker node (10.0.0.7, 2 CPUs) was lost at step 62; restarted from the
-  step-60 checkpoint, attempt 2 of 4" (or "the workers failed at step 31; ..." when no node loss explains it).
+- a new attempt's rank 0 reporting where it resumed (`attempt_started`, `resumed_from`, sent after restoring:
+  TrainingMetrics.attempt_started): the restart's one line, "a worker node (10.0.0.7, 2 CPUs) was lost at step
+  62; restarted from the step-60 checkpoint, attempt 2 of 4" (or "the workers failed at step 31; ..." when no node
+  loss explains it).
   Only the new attempt knows the checkpoint: Ray Train resumes from the last one it registered, which can be older
   than the newest folder in storage. Ray Train often restarts before the cluster declares the node dead (its own
   health checks are faster): such a restart is told once the node is declared lost, or after CAUSE_WAIT_S as the
