@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
-from bertpipe.jobs.pretrain.data.masking import batch_rng, collate, seed_of
+from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch, seed_of
 from bertpipe.jobs.pretrain.engine.build import build_engine, compile_enabled
 from bertpipe.jobs.pretrain.engine.lamb_layout import mapped_layouts
 from bertpipe.jobs.pretrain.evaluation import evaluate_heldout, time_eval_batches
@@ -107,7 +107,7 @@ def run_epoch(w: Worker, position: Position, phase_end: int, batches=None) -> Po
         return position
     sequences, dealt = position.sequences, position.dealt or phase.micro_batch_size
     for index, raw, pulled_at in w.data.micro_batches(position, batches):
-        batch = to_device(collate(raw, masking, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index)), w.device)
+        batch = to_device(mask_batch(raw, masking, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index)), w.device)
         wait = time.perf_counter() - pulled_at  # host time only: nothing here waits for the device
         out = timed_first_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
         sequences += len(raw["next_sentence_label"])
