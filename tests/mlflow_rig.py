@@ -53,8 +53,8 @@ def quiet_env(**extra: str) -> dict[str, str]:
 class MlflowServer:
     """`mlflow server <args>` on 127.0.0.1:port, started and stopped as the test says (same port each time)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log: Path, port: int | None = None):
-        self.port = port or free_port_block(1)
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.port = 0  # drawn at the first start (see Postgres), kept for every later one
         self.args, self.env, self.log = args, env, log
         self.proc: subprocess.Popen | None = None
 
@@ -63,6 +63,7 @@ class MlflowServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.port = self.port or free_port_block(1)
         argv = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
@@ -90,7 +91,7 @@ class Postgres:
     pytest's tmp_path is private to root, so the folder is not in it."""
 
     def __init__(self):
-        self.port = free_port_block(1)
+        self.port = 0  # drawn when it starts: free_port_block draws the same port again until someone binds it
         self.root = Path(tempfile.mkdtemp(prefix="bp-pg-"))
         self.data = self.root / "data"
         self.as_root = os.geteuid() == 0
@@ -108,6 +109,7 @@ class Postgres:
 
     def start(self) -> str:
         """Starts it; returns the SQLAlchemy URI of its database `mlflow`."""
+        self.port = free_port_block(1)
         if self.as_root:
             import grp
             import pwd
@@ -136,7 +138,7 @@ class MotoS3:
     """moto's S3 server (its own process, S3's HTTP API) with one bucket."""
 
     def __init__(self, bucket: str):
-        self.bucket, self.port = bucket, free_port_block(1)
+        self.bucket, self.port = bucket, 0  # drawn when it starts (see Postgres)
         self.proc: subprocess.Popen | None = None
         self.env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_DEFAULT_REGION": "us-east-1"}
@@ -146,6 +148,7 @@ class MotoS3:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.port = free_port_block(1)
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         _wait_for(lambda: _listens(self.port), self.proc, "moto server")

@@ -292,3 +292,15 @@ def test_a_batch_the_server_refuses_is_dropped_and_later_ones_still_go(up):
     assert len([x for x in lines if "refused a batch of 1 metric points" in x]) == 1, lines
     assert not [x for x in lines if "unreachable" in x]
     assert steps_in_store(client, coordinates["run_id"]) == [2]
+
+
+def test_system_metrics_are_sampled_into_the_run_through_a_sender(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = start_workflow_run(uri, "e", "run", {}, {})
+    monitor = run.system_metrics(interval_s=0.2)
+    wait_until(lambda: len(run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage")) >= 2,
+               "two samples of the CPU's use", 120)
+    assert monitor.finish() == 0
+    samples = run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage")
+    assert sorted(m.step for m in samples)[:2] == [0, 1]
+    assert "system/system_memory_usage_megabytes" in run.client.get_run(run.run_id).data.metrics

@@ -42,10 +42,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         position = train(w, position)
     except NonFiniteError as exc:
         w.checkpoints.stop_for_good(str(exc))
+        w.metrics.run.flush_metrics()
         return
     final = final_evaluation(w, position, resumed_from)
     export_model(w)
     save_last_checkpoint(w, position, final)
+    w.metrics.run.flush_metrics()  # the points still buffered, with a bounded wait (mlflow.flush_timeout_s)
 
 
 def setup(spec: WorkerSpec) -> Worker:
@@ -60,7 +62,8 @@ def setup(spec: WorkerSpec) -> Worker:
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world, spec.init_config)
     return Worker.build(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
-                        RunLogger(spec.tracking, enabled=rank == 0), local_rank=ctx.get_local_rank())
+                        RunLogger(spec.tracking, enabled=rank == 0, background=True,  # metrics never wait for MLflow
+                                  tell=lambda line: spec.progress.add(0, status=line)), local_rank=ctx.get_local_rank())
 
 
 def train(w: Worker, position: Position) -> Position:

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import tempfile
+import threading
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from typing import Any, Callable
@@ -370,15 +371,10 @@ class RunLogger:
         parent = self.tags().get("mlflow.parentRunId")
         return dict(self.client.get_run(parent).data.tags) if parent else {}
 
-    def system_metrics(self):
-        """A started monitor of CPU / memory / GPU use logged into this run (`.finish()` it), or None."""
-        if not self.active:
-            return None
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        monitor = SystemMetricsMonitor(self.run_id, sampling_interval=5, tracking_uri=self.coordinates["tracking_uri"])
-        monitor.start()
-        return monitor
+    def system_metrics(self, interval_s: float = 5.0) -> "SystemMetrics | None":
+        """A started monitor of CPU / memory / disk / network / GPU use logged into this run every `interval_s`
+        (`.finish()` it), or None."""
+        return SystemMetrics(self, interval_s) if self.active else None
 
     def fail(self, exc: BaseException, traceback_text: str) -> None:
         """Mark the run FAILED with the error as a tag and the traceback as an artifact. Best effort, each step on
@@ -422,6 +418,49 @@ class RunLogger:
     def end(self, ok: bool) -> None:
         if self.active:
             self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+class SystemMetrics:
+    """This machine's use, sampled by MLflow's system-metrics monitor every `interval_s` and logged into `run` as
+    `system/...` through a MetricSender. MLflow's own loop does not serve a run that outlives a tracking-server
+    outage: it asks the server for the run's status before every sample, with MLflow's retries (a urllib3 warning
+    each on the console), and stops for good at the first failure. Here only the sampling is MLflow's; the loop and
+    the delivery are ours, and an outage is one line in the run's log."""
+
+    def __init__(self, run: RunLogger, interval_s: float = 5.0):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.interval_s = interval_s
+        self.sampler = SystemMetricsMonitor(run.run_id, sampling_interval=interval_s,
+                                            tracking_uri=run.coordinates["tracking_uri"])
+        self.sampler.mlflow_logger = self  # its publish_metrics() hands each aggregate to record_metrics below
+        self.sender = metric_sender(run.client, run.coordinates)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bertpipe-system-metrics", daemon=True)
+        self._thread.start()
+
+    def record_metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self.sender.put([(k, float(v), now, step) for k, v in metrics.items()
+                         if isinstance(v, (int, float)) and math.isfinite(float(v))])
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sampler.collect_metrics()
+                if self._stop.wait(self.interval_s):
+                    return
+                self.sampler.publish_metrics(self.sampler.aggregate_metrics())
+            except Exception:  # noqa: BLE001 - a sensor that fails is no reason to stop the stage
+                log.info("system metrics: sampling failed", exc_info=True)
+                self._stop.wait(self.interval_s)
+
+    def finish(self, timeout_s: float = 10.0) -> int:
+        """Stops sampling; gives the points still buffered `timeout_s` to reach the server (returns those that
+        did not)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        return self.sender.close(timeout_s)
 
 
 def start_workflow_run(tracking_uri: str, experiment: str, run_name: str, config: dict[str, Any],
