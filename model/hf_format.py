@@ -1,5 +1,5 @@
 """The Hugging Face file format of BERT weights (what `from_pretrained` reads): `model.safetensors` + `config.json` +
-`vocab.txt`; the training checkpoints of pre-training are jobs/pretrain/checkpoints.py.
+`vocab.txt`; the training checkpoints of pre-training are jobs/pretrain/checkpointing/.
 
 Export writes the parameter names of the matching `transformers` class (BertForPreTraining, BertModel,
 BertForSequenceClassification, ...), so `transformers.<Class>.from_pretrained(dir)` loads it with no

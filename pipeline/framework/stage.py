@@ -2,7 +2,7 @@
 
 A stage writes its data files first and `_MANIFEST.json` last: the manifest is the commit point, and a folder
 without one is never read as input. The manifest records the stage's fingerprint, which the workflow computes
-and compares before it runs the stage (jobs/workflow.py `fingerprint` says what it covers).
+and compares before it runs the stage (jobs/workflow/planning.py `fingerprint` says what it covers).
 """
 from __future__ import annotations
 
