@@ -13,8 +13,8 @@ The record (`_RUN.json`) is written before the first deletion and lists what the
 dies while cleaning up leaves the next one enough to finish; a run that fails rewrites it with every file it left.
 It also says, before the run writes anything, what the run will write: the stage's output names (`writes`, glob
 patterns over paths relative to the folder, declared with the stage in jobs/workflow/stages.py). A driver killed
-outright (SIGKILL, an evicted pod, a node lost) records nothing more, and its files are still its own: the record outlives
-the run (only a committed run removes it), and any file that matches its patterns appeared after the run had
+outright (SIGKILL, an evicted pod, a node lost) records nothing more, and its files are still its own: the record
+outlives the run (only a committed run removes it), and any file that matches its patterns appeared after the run had
 checked the folder held nothing foreign, so the next run of the stage deletes it and redoes the work. A file that
 matches none of them stops the run as before: a user's notes are never deleted.
 
