@@ -54,7 +54,7 @@ test: setup-test
 	$(BIN)/bertpipe fetch-sample
 	$(BIN)/python -m pytest -q --durations=25 -m "not slow"
 
-# The slow tier: what `make test` leaves out of a developer's loop. CI (.ci/run) runs it after `make test`.
+# The slow tier: what `make test` leaves out (minutes each, covered in part by faster tests); with `make test`, every test.
 test-slow: setup-test
 	$(BIN)/bertpipe fetch-sample
 	$(BIN)/python -m pytest -q --durations=15 -m slow
