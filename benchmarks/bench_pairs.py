@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from bertpipe.pipeline.stages.instances import derive_seed  # noqa: E402
-from bertpipe.pipeline.stages.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
+from bertpipe.pipeline.stages.encoding import cached_tokenizers, encode_documents  # noqa: E402
+from bertpipe.pipeline.stages.pair_pools import pair_table  # noqa: E402
 from bertpipe.pipeline.stages.sentences import split_sentences  # noqa: E402
 from bertpipe.pipeline.formats.tokenizer import MAX_CHARS_PER_WORD  # noqa: E402
 from bertpipe.pipeline.formats.vocabulary import load_vocab, make_tokenizer  # noqa: E402

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs  # noqa: E402
 
 from bertpipe.pipeline.stages.instances import _truncate_pair, create_spans, gather_instances  # noqa: E402
-from bertpipe.pipeline.stages.pairs import cached_tokenizers, encode_documents, pair_table  # noqa: E402
+from bertpipe.pipeline.stages.encoding import cached_tokenizers, encode_documents  # noqa: E402
+from bertpipe.pipeline.stages.pair_pools import pair_table  # noqa: E402
 from bertpipe.pipeline.formats.vocabulary import make_tokenizer  # noqa: E402
 
 CLS, SEP = 101, 102

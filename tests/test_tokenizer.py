@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _clean_docs import crude_docs  # noqa: E402
 from conftest import SHARED_DATA  # noqa: E402
 
-from bertpipe.pipeline.stages.pairs import cached_tokenizers, encode_documents  # noqa: E402
+from bertpipe.pipeline.stages.encoding import cached_tokenizers, encode_documents  # noqa: E402
 from bertpipe.pipeline.stages.sentences import split_sentences  # noqa: E402
 from bertpipe.pipeline.formats.tokenizer import (SPECIAL_TOKENS, TOKENIZER_CONFIG, bert_tokenizer,  # noqa: E402
                                          folder_lowercase, load_tokenizer, read_vocab_file, tokenizer_files)

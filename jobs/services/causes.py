@@ -3,14 +3,17 @@
 An error raised inside a Ray task reaches the driver as a RayTaskError whose text is the task's name in ANSI colour
 codes followed by the remote traceback; an error inside a Ray Data UDF is wrapped once more (UserCodeException:
 "UDF failed to process a data block"), and only the remote traceback's text still names the original error. What a
-user needs is that original error: "OSError: [Errno 28] No space left on device", not "ray::MapBatches(...)". The
-whole traceback stays in the run's log file.
+user needs is that original error: "OSError: [Errno 28] No space left on device", not "ray::MapBatches(...)"; for a
+task Ray's memory monitor killed, the task, what it held and the node's memory (pipeline/framework/memory_kills.py),
+not the first of Ray's forty lines. The whole traceback stays in the run's log file.
 """
 from __future__ import annotations
 
 import re
 
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+from bertpipe.pipeline.framework import memory_kills
+from bertpipe.pipeline.framework.console import ANSI_ESCAPE
+
 # The last line of a traceback, at column 0: "package.module.Name: message" (pyarrow's ArrowInvalid too), or a bare
 # name when the message is empty.
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:: .*|(?<=Error)|(?<=Exception)|(?<=Interrupt))$")
@@ -18,7 +21,7 @@ _RAY_WRAPPERS = ("ray.exceptions.", "RayTaskError", "UserCodeException")
 
 
 def strip_ansi(text: str) -> str:
-    return ANSI.sub("", text)
+    return ANSI_ESCAPE.sub("", text)
 
 
 def from_ray(exc: BaseException) -> bool:
@@ -54,6 +57,9 @@ def first_line(exc: BaseException) -> str:
         if isinstance(cause, BaseException) and not from_ray(cause):
             # A plain @ray.remote task: Ray hands back the task's own exception object.
             return f"{type(cause).__name__}: {_plain(cause)}{suffix}"
+        kill = memory_kills.parse(text)  # an OutOfMemoryError: its text is Ray's report, no traceback
+        if kill is not None:
+            return kill.describe() + suffix
         root = _root_error_line(text)
         if root:
             return root + suffix

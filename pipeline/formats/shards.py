@@ -72,6 +72,10 @@ def shard_schema(vocab_size: int, max_seq_length: int, meta: dict) -> pa.Schema:
     )
 
 
+# Rows per Parquet row group of a shard: a reader streams a shard a row group at a time, without loading it whole.
+SHARD_ROW_GROUP_ROWS = 65_536
+
+
 def write_shard(uri: str, table: pa.Table) -> None:
     """Write one shard (table already in shard_schema, metadata included) to a temporary name, then rename it."""
     if META_KEY not in (table.schema.metadata or {}):
@@ -81,8 +85,7 @@ def write_shard(uri: str, table: pa.Table) -> None:
     fs.create_dir(parent, recursive=True)
     tmp = storage.temp_path(path)
     with fs.open_output_stream(tmp) as f:
-        # Row groups of ~64k rows: a reader can stream a shard without loading it whole.
-        pq.write_table(table, f, row_group_size=65_536, compression="zstd")
+        pq.write_table(table, f, row_group_size=SHARD_ROW_GROUP_ROWS, compression="zstd")
     fs.move(tmp, path)
 
 

@@ -20,6 +20,7 @@ goes to the run's log file only (`log_filter` on each console handler), and so d
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import time
@@ -28,6 +29,9 @@ from typing import Any, Callable, Iterator
 
 from bertpipe.pipeline.framework.progress import POLL_S, Activity, Progress, Reporter, new_board, poll_board
 from bertpipe.pipeline.framework.redact import mask
+
+# A terminal colour or cursor code: Ray's task names and tracebacks carry them; a console line or a tag must not.
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 log = logging.getLogger("bertpipe.console")
 

@@ -78,6 +78,11 @@ class PairsConfig:
     # Documents per pairing pool (one task of the first pass): the NotNext B is drawn from the other documents of
     # the pool, and one pool's tokens and instances are what a task holds in memory.
     docs_per_partition: int = 2_000
+    # The memory one task of the stage may hold, in bytes, whatever the corpus size and num_shards: a pool's text
+    # beyond what fits is paired as several pools, and the shuffle that deals instances into shards works on pieces
+    # that fit. Each task asks Ray for this much `memory`, so a node runs only as many at once as its memory holds.
+    # The shards' bytes depend on it (the pieces of the shuffle), as they do on docs_per_partition.
+    max_task_bytes: int = 2**30
 
     def __post_init__(self) -> None:
         lengths = self.max_seq_lengths
@@ -88,3 +93,6 @@ class PairsConfig:
         within("pairs", self, "short_seq_prob", 0.0, 1.0)
         within("pairs", self, "heldout_fraction", 0.0, 1.0, high_open=True)
         at_least("pairs", self, 1, "dupe_factor", "num_shards", "docs_per_partition")
+        # Below this a task's worker (Python, pyarrow, the tokenizer: ~300 MB) and one row group on its way out
+        # leave too little room for data.
+        at_least("pairs", self, 640 * 2**20, "max_task_bytes")
