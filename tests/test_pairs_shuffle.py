@@ -270,3 +270,17 @@ def test_pools_are_consecutive_documents_across_files_and_each_task_reads_its_ow
     assert [i for t in read[:4] for i in t.column("id").to_pylist()] == list(range(21))
     assert read[1].column("text").to_pylist()[-1] == "Document 11."
     assert read[4].column("text").to_pylist() == ["One sentence.\nTwo.", "Another document."]
+
+
+def test_a_cell_holds_at_most_cell_bytes_and_fits_its_task():
+    """Cells stop growing at CELL_BYTES (a task's memory then stays flat as the corpus grows), and a smaller
+    pairs.max_task_bytes makes them smaller still: held once from local parts, twice from a remote store."""
+    row = 300.0
+    group = 4 * shard_cells.row_group_rows(row) * row
+    assert shard_cells.cell_rows(8 * 2**30, row, local=True) == int(shard_cells.CELL_BYTES / row)
+    assert shard_cells.cell_rows(8 * 2**30, row, local=False) == int(shard_cells.CELL_BYTES / row)
+    budget = 640 * 2**20
+    room = budget - pair_pools.TASK_BASE_BYTES - shard_cells.WRITE_SLACK_BYTES - group
+    assert room < shard_cells.CELL_BYTES
+    assert shard_cells.cell_rows(budget, row, local=True) == int(room / row)
+    assert shard_cells.cell_rows(budget, row, local=False) == int(room / 2 / row)

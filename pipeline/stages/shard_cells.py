@@ -32,6 +32,11 @@ MIN_CELLS = 64
 ROW_GROUP_BYTES = 32 * 2**20
 # Rows a cell task gathers at once into a row group.
 TAKE_ROWS = 4_096
+# The most bytes of instances one cell holds, whatever max_task_bytes allows. A bigger cell buys no better shuffle
+# (every cell is already an equal share of every pool: a uniform sample of the corpus) and would only let a task's
+# memory grow with the corpus until max_task_bytes stops it; a smaller one means more, smaller reads of every part
+# file (a remote store reads whole record batches: PART_BATCH_BYTES).
+CELL_BYTES = 192 * 2**20
 # Besides its cell, a cell task holds one row group on its way out: gathered, encoded, compressed (~4x its bytes,
 # measured), and the allocator's slack.
 WRITE_SLACK_BYTES = 64 * 2**20
@@ -59,12 +64,12 @@ def row_group_rows(bytes_per_row: float) -> int:
 
 
 def cell_rows(max_task_bytes: int, bytes_per_row: float, local: bool) -> int:
-    """The most instances one cell may hold for its task to stay within `max_task_bytes`. A cell is held once when
-    its part files are local (mapped: their pages are the page cache's, not the task's), twice for a moment when
-    they are read from a remote store (the record batches read, then their concatenation)."""
+    """The most instances one cell may hold: CELL_BYTES, fewer where its task would not stay within `max_task_bytes`.
+    A cell is held once when its part files are local (mapped: their pages are the page cache's, not the task's),
+    twice for a moment when they are read from a remote store (the record batches read, then their concatenation)."""
     row = max(bytes_per_row, 1.0)
     room = max_task_bytes - TASK_BASE_BYTES - WRITE_SLACK_BYTES - 4 * row_group_rows(row) * row
-    return max(1, int(room / (1 if local else 2) / row))
+    return max(1, int(min(room / (1 if local else 2), CELL_BYTES) / row))
 
 
 def plan_shards(counts: list[int], num_shards: int, max_cell_rows: int) -> ShardPlan:
