@@ -65,6 +65,9 @@ class MultiNodeRay:
     def kill_train_node(self) -> dict:
         return self.command("kill-train-node")
 
+    def kill_node(self, node_id: str) -> dict:
+        return self.command(f"kill {node_id}")
+
     def kill_busy_node(self) -> dict:
         return self.command("kill-busy-node")
 

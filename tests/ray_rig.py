@@ -9,6 +9,7 @@ then takes commands on stdin, one per line, answering each with one JSON line th
     kill-train-node     kill -9 of the raylet of a worker node that hosts a Ray Train worker
                         (remove_node(..., allow_graceful=False))                         -> {"killed": node id}
     kill-busy-node      the same for a worker node with CPUs in use (a task runs there)  -> {"killed": node id}
+    kill <node id>      the same for that node (a drained node taken at its deadline)   -> {"killed": node id}
     busy                the worker nodes with CPUs in use                                -> {"busy": [...]}
     nodes               the alive nodes                                                  -> {"alive": [...]}
     quit                every node stops                                                 -> {"stopped": true}
@@ -70,6 +71,11 @@ def main() -> None:
                 say({"killed": victim.node_id, "at": time.time()})
             elif cmd == "kill-busy-node":
                 victim = _busy_node(nodes)
+                cluster.remove_node(victim, allow_graceful=False)
+                nodes.remove(victim)
+                say({"killed": victim.node_id, "at": time.time()})
+            elif cmd == "kill":
+                victim = next(n for n in nodes if n.node_id == rest[0])
                 cluster.remove_node(victim, allow_graceful=False)
                 nodes.remove(victim)
                 say({"killed": victim.node_id, "at": time.time()})

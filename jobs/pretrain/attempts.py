@@ -15,7 +15,11 @@ step and fields. It notices:
   than the newest folder in storage. Ray Train often restarts before the cluster declares the node dead (its own
   health checks are faster): such a restart is told once the node is declared lost, or after CAUSE_WAIT_S as the
   workers' own failure;
-- a lost node no worker was on: training goes on, and the line says so.
+- a lost node no worker was on: training goes on, and the line says so;
+- an elastic run's resize (the new attempt reports another worker count): the line says it, "a worker node
+  (10.0.0.7, 2 CPUs) was lost at step 412: going on with 3 workers from the step-400 checkpoint, accumulation
+  4 → 5", and when the cluster gives room back, "the cluster grew at step 530: going on with 4 workers from the
+  step-500 checkpoint, accumulation 5 → 4" (Ray Train grows a run by a restart; it counts as no failure).
 Each restart is an MLflow tag `bertpipe.restart.<attempt>` (the line, with the time) and a point of the series
 `train/restarts` (restarts so far) at the step training resumed from.
 """
@@ -46,6 +50,13 @@ def alive_nodes() -> dict[str, str]:
 CAUSE_WAIT_S = 30.0
 
 
+def _layout(fields: dict[str, Any]) -> tuple[int, int] | None:
+    """(workers, accumulation steps) an attempt reported when it started (TrainingMetrics.attempt_started)."""
+    if fields.get("workers") is None:
+        return None
+    return int(fields["workers"]), int(fields.get("accumulation") or 0)
+
+
 class AttemptWatch:
     def __init__(self, max_failures: int, run: Any, nodes: Callable[[], dict[str, str]] = alive_nodes,
                  clock: Callable[[], float] = time.time, nodes_every_s: float = 1.0):
@@ -60,6 +71,8 @@ class AttemptWatch:
         self.restart: tuple[int, float, float] | None = None  # (resumed from, seen at, step reached) not told yet
         self.last_nodes_check = float("-inf")
         self.lines: list[str] = []
+        self.layout: tuple[int, int] | None = None  # (workers, accumulation steps) of the attempt now running
+        self.resized: tuple[tuple[int, int], tuple[int, int]] | None = None  # (before, now), not told yet
 
     def __call__(self, count: float, fields: dict[str, Any]) -> dict[str, Any]:
         """Fields to show over the workers' (a `status` line to print; `doing` and no ETA while the workers
@@ -69,7 +82,9 @@ class AttemptWatch:
         if marker is not None and marker != self.marker:
             first = self.marker is None
             self.marker = marker
+            was, self.layout = self.layout, _layout(fields)
             if not first:
+                self.resized = (was, self.layout) if was and self.layout and was[0] != self.layout[0] else None
                 return self._new_attempt(int(fields.get("resumed_from") or 0), now)
         self.step = max(self.step, count)
         lost = self._lost_nodes(now)
@@ -109,17 +124,29 @@ class AttemptWatch:
         return f"{'a worker node' if len(lost) == 1 else f'{len(lost)} worker nodes'} ({'; '.join(lost)})"
 
     def _new_attempt(self, resumed_from: int, now: float) -> dict[str, Any]:
-        self.attempt += 1
         reached, self.step = self.step, float(resumed_from)
+        if self.resized and self.resized[1][0] > self.resized[0][0] and not self.lost:  # Ray Train grew the run
+            return {**self._told(f"the cluster grew at step {reached:.0f}{self._going_on(resumed_from)}"),
+                    "doing": ""}
+        self.attempt += 1
         if self.lost:  # the loss was seen first: the restart's line now
             lost, self.lost = self.lost, ""
             return self._restarted(lost, resumed_from)
         self.restart = (resumed_from, now, reached)  # told once the cause is known (or CAUSE_WAIT_S passed)
         return {"doing": "", "eta_unknown": False}
 
+    def _going_on(self, resumed_from: int) -> str:
+        """": going on with 3 workers from the step-400 checkpoint, accumulation 4 → 5" of a resize told now."""
+        (_, before), (workers, now) = self.resized
+        self.resized = None
+        where = f"the step-{resumed_from} checkpoint" if resumed_from else "step 0 (no checkpoint yet)"
+        return (f": going on with {workers} worker{'s' if workers != 1 else ''} from {where}, accumulation "
+                f"{before} → {now}")
+
     def _restarted(self, cause: str, resumed_from: int) -> dict[str, Any]:
         where = f"the step-{resumed_from} checkpoint" if resumed_from else "step 0 (no checkpoint yet)"
-        line = f"{cause}; restarted from {where}, attempt {self.attempt} of {self.max_attempts}"
+        line = (f"{cause}{self._going_on(resumed_from)}" if self.resized else
+                f"{cause}; restarted from {where}, attempt {self.attempt} of {self.max_attempts}")
         try:
             self.run.log_metrics({"train/restarts": self.attempt - 1}, resumed_from)
         except Exception as exc:  # noqa: BLE001 - MLflow unreachable must not stop the watch

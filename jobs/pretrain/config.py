@@ -68,7 +68,10 @@ class PretrainConfig:
     # from-init); heads it lacks (MLM, NSP) start freshly initialised. Empty = random initialisation.
     init: str = path_field()
     # --- resources
-    num_workers: int = 2
+    # A count, or a range [min, max]: elastic (jobs/pretrain/elastic.py). An elastic run starts on what the cluster
+    # holds within the range, goes on with fewer workers when a node is lost and grows back when nodes join; the
+    # global batch stays, gradient accumulation makes up the difference.
+    num_workers: int | tuple[int, int] = 2
     use_gpu: bool = False
     cpus_per_worker: int = 1
     # --- steps and phases
@@ -120,6 +123,14 @@ class PretrainConfig:
     checkpoint_every_steps: int = 50
     num_checkpoints_to_keep: int = 2
     max_failures: int = 3
+    # Steps between two looks for a node of the run being drained (a spot notice: jobs/pretrain/drain.py); each look
+    # is a barrier of all workers. 0 = never look.
+    drain_check_every_steps: int = 5
+    # An elastic run (num_workers a range): seconds between Ray Train's looks for room to grow.
+    elastic_resize_check_s: float = 60.0
+    # An elastic run: seconds a worker group may take to start before Ray Train tries again with what fits then
+    # (a group sized by a node that died but is not declared dead yet never starts).
+    elastic_start_timeout_s: float = 30.0
     # Ray Train storage (local path or s3://). Empty = <parent of the stage output>/ray_results, outside the
     # output folder (the workflow empties that before a rerun, and a rerun must find the checkpoints).
     storage_path: str = path_field()
@@ -150,11 +161,13 @@ class PretrainConfig:
 
     def _check_ranges(self) -> None:
         """Each field of this section in its range (a phase checks its own fields)."""
-        at_least("pretrain", self, 1, "num_workers", "cpus_per_worker", "max_steps", "log_every_steps",
+        self._check_workers()
+        at_least("pretrain", self, 1, "cpus_per_worker", "max_steps", "log_every_steps",
                  "checkpoint_every_steps", "num_checkpoints_to_keep", "eval_max_batches", "prefetch_batches",
                  "length_bin_window")
         # gradient_clipping 0 = off; eval_every_steps 0 = only at the end
-        at_least("pretrain", self, 0, "eval_every_steps", "max_failures", "shuffle_buffer_rows", "weight_decay",
+        at_least("pretrain", self, 0, "eval_every_steps", "max_failures", "drain_check_every_steps",
+                 "elastic_resize_check_s", "elastic_start_timeout_s", "shuffle_buffer_rows", "weight_decay",
                  "gradient_clipping")
         within("pretrain", self, "phase1_fraction", 0.0, 1.0, low_open=True)
         within("pretrain", self, "masked_lm_prob", 0.0, 1.0, low_open=True, high_open=True)
@@ -163,6 +176,34 @@ class PretrainConfig:
         above("pretrain", self, 0, "eps", "decay_power")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"pretrain.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+
+    def _check_workers(self) -> None:
+        """num_workers: a count of at least 1, or a range [min, max] with 1 <= min <= max."""
+        n = self.num_workers
+        if isinstance(n, tuple) and (len(n) != 2 or not 1 <= n[0] <= n[1]):
+            raise ValueError(f"pretrain.num_workers {list(n)} must be a count or a range [min, max] with "
+                             "1 <= min <= max")
+        if isinstance(n, int) and n < 1:
+            raise ValueError(f"pretrain.num_workers must be at least 1, got {n}")
+
+    @property
+    def elastic(self) -> bool:
+        """num_workers is a range: the worker count follows the cluster (jobs/pretrain/elastic.py)."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    def whole_batch_worlds(self) -> list[int]:
+        """The worker counts within num_workers that every phase's global batch splits over exactly (global batch =
+        micro-batch × workers × accumulation steps), smallest first."""
+        return [n for n in range(self.min_workers, self.max_workers + 1)
+                if all(ph.global_batch_size % (ph.micro_batch_size * n) == 0 for ph in self.phases)]
 
     def _check_steps(self) -> None:
         """One or two phases, and max_steps split so that every phase gets its share and phase 1 at least one."""
@@ -205,17 +246,25 @@ class PretrainConfig:
                              "optimizer_impl 'torch'")
 
     def _check_phases(self) -> None:
-        """Lengths grow from phase to phase, and each phase's batch splits over the workers."""
+        """Lengths grow from phase to phase, and each phase's batch splits over the workers (over one worker count
+        of an elastic range at least)."""
         previous = 0
         for i, ph in enumerate(self.phases):
             where = f"pretrain.phases[{i}]"
             if ph.max_seq_length <= previous:
                 raise ValueError(f"{where}.max_seq_length {ph.max_seq_length} must grow from phase to phase")
             previous = ph.max_seq_length
+            if self.elastic:
+                continue
             per_step = ph.micro_batch_size * self.num_workers
             if ph.global_batch_size % per_step:
                 raise ValueError(f"{where}.global_batch_size {ph.global_batch_size} is not divisible by num_workers "
                                  f"× micro_batch_size = {self.num_workers} × {ph.micro_batch_size} = {per_step}")
+        if self.elastic and not self.whole_batch_worlds():
+            batches = ", ".join(f"{ph.global_batch_size} in micro-batches of {ph.micro_batch_size}"
+                                for ph in self.phases)
+            raise ValueError(f"pretrain.num_workers {list(self.num_workers)}: no worker count in the range splits "
+                             f"every phase's global batch ({batches}) exactly")
 
 
 def bert_config(model: ModelConfig, vocab_size: int, init_config: dict | None = None, **fields):
@@ -242,7 +291,7 @@ def layout_warning(cfg: PretrainConfig) -> str:
     if not cfg.use_gpu:
         return ""
     small = [ph for ph, steps in zip(cfg.phases, cfg.phase_steps()) if steps
-             and ph.global_batch_size == ph.micro_batch_size * cfg.num_workers
+             and ph.global_batch_size == ph.micro_batch_size * cfg.max_workers
              and ph.micro_batch_size < MIN_GPU_MICRO_BATCH]
     if not small:
         return ""

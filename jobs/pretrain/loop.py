@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from bertpipe.jobs.pretrain import drain
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
+from bertpipe.jobs.pretrain.data.shared_order import SHARED, sequences_through
 from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch, seed_of
 from bertpipe.jobs.pretrain.engine.build import build_engine, compile_enabled
 from bertpipe.jobs.pretrain.engine.lamb_layout import mapped_layouts
@@ -34,7 +36,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     w = setup(config["spec"])
     position, history = w.checkpoints.restore()
     w.metrics.history = history
-    w.metrics.attempt_started(position.step)  # the driver's attempt watch tells a restart by it
+    w.metrics.attempt_started(position.step, accumulation_of(w, position.phase))  # the driver's attempt watch
+    # tells a restart and a resize by it
     w.data.open_all(position, w.doing)
     time_eval_batches(w)  # with the streams open: timed as the machine will be during training
     resumed_from = position.step
@@ -64,6 +67,11 @@ def setup(spec: WorkerSpec) -> Worker:
     return Worker.build(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
                         RunLogger(spec.tracking, enabled=rank == 0, background=True,  # metrics never wait for MLflow
                                   tell=lambda line: spec.progress.add(0, status=line)), local_rank=ctx.get_local_rank())
+
+
+def accumulation_of(w: Worker, phase_index: int) -> int:
+    phase = w.spec.pretrain.phases[min(phase_index, len(w.spec.pretrain.phases) - 1)]
+    return phase.global_batch_size // (phase.micro_batch_size * w.world)
 
 
 def train(w: Worker, position: Position) -> Position:
@@ -109,15 +117,20 @@ def run_epoch(w: Worker, position: Position, phase_end: int, batches=None) -> Po
     if position.step >= phase_end:
         return position
     sequences, dealt = position.sequences, position.dealt or phase.micro_batch_size
+    # An elastic run's micro-batches are seeded by their place in the shared order, not by the rank that trains
+    # them: the same global batch trains alike on any worker count (data/shared_order.py).
+    shared = w.spec.pretrain.elastic and batches is None
+    who = SHARED if shared else w.rank
     for index, raw, pulled_at in w.data.micro_batches(position, batches):
-        batch = to_device(mask_batch(raw, masking, batch_rng(w.spec.seed, phase_index, epoch, w.rank, index)), w.device)
+        batch = to_device(mask_batch(raw, masking, batch_rng(w.spec.seed, phase_index, epoch, who, index)), w.device)
         wait = time.perf_counter() - pulled_at  # host time only: nothing here waits for the device
-        out = timed_first_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, w.rank, index, 1))
-        sequences += len(raw["next_sentence_label"])
+        out = timed_first_step(w, batch, seed_of(w.spec.seed, phase_index, epoch, who, index, 1))
+        sequences = (sequences_through(index, phase.micro_batch_size, phase.global_batch_size) if shared
+                     else sequences + len(raw["next_sentence_label"]))
         w.metrics.micro_batch(out, batch["attention_mask"], wait)
         if w.engine.global_steps == position.step:
             continue  # inside a gradient accumulation
-        position = Position(w.engine.global_steps, phase_index, epoch, index + 1, sequences, dealt)
+        position = Position(w.engine.global_steps, phase_index, epoch, index + 1, sequences, dealt, int(shared))
         w.metrics.optimizer_step(position.step, phase_index, w.engine.get_global_grad_norm())
         after_step(w, position, phase_end)
         if position.step >= phase_end:
@@ -162,6 +175,32 @@ def after_step(w: Worker, position: Position, phase_end: int) -> None:
         evaluate_at(w, position)
     if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
         checkpoint_at(w, position)
+    if cfg.drain_check_every_steps and step % cfg.drain_check_every_steps == 0 and step < cfg.max_steps:
+        checkpoint_if_drained(w, position)
+
+
+def checkpoint_if_drained(w: Worker, position: Position) -> None:
+    """A node of the run being drained (drain.py): a checkpoint once its deadline is near, then a hold until Ray
+    Train restarts the workers without it. Every rank asks Ray Train (a barrier) and acts on rank 0's decision."""
+    import ray.train
+    import torch.distributed as dist
+
+    info = ray.train.get_preemption_info()
+    now = time.time()
+    checked_every, w.drain_checked_at = now - (w.drain_checked_at or now), now
+    if info is None:
+        return
+    decided = [drain.notice(info, position.step, now, w.metrics.measured.checkpoint_s, checked_every)
+               if w.rank == 0 else None]
+    dist.broadcast_object_list(decided, src=0)
+    if not decided[0].due:
+        return
+    w.metrics.tell(position.step, status=f"pretrain: {decided[0].line}")
+    log.info("rank %d: %s", w.rank, decided[0].line)
+    if position.step % w.spec.pretrain.checkpoint_every_steps:  # (none just taken at this step)
+        checkpoint_at(w, position)
+    w.doing(f"checkpointed at step {position.step}: waiting for Ray Train to go on without the drained node")
+    drain.hold_until_restart(decided[0].hold_until_s)
 
 
 def evaluate_at(w: Worker, position: Position) -> None:

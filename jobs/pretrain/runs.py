@@ -140,8 +140,11 @@ def previous_run(storage_path: str, name: str) -> tuple[str, dict[str, Any]] | N
     return folder, ident
 
 
-def layout_of(num_workers: int, micro_batch_sizes: list[int], zero_stage: int) -> dict[str, Any]:
-    return {"num_workers": num_workers, "micro_batch_sizes": list(micro_batch_sizes), "zero_stage": zero_stage}
+def layout_of(num_workers: int, micro_batch_sizes: list[int], zero_stage: int,
+              elastic: tuple[int, int] | None = None) -> dict[str, Any]:
+    """`elastic`: the range of an elastic run (its data is read in the shared order: data/shared_order.py)."""
+    layout = {"num_workers": num_workers, "micro_batch_sizes": list(micro_batch_sizes), "zero_stage": zero_stage}
+    return {**layout, "elastic": list(elastic)} if elastic else layout
 
 
 def check_layout(then: dict[str, Any] | None, now: dict[str, Any], step: int) -> None:
@@ -158,5 +161,7 @@ def check_layout(then: dict[str, Any] | None, now: dict[str, Any], step: int) ->
 def describe_layout(layout: dict[str, Any] | None) -> str:
     if not layout:
         return "unknown layout"
-    n = layout["num_workers"]
-    return f"{n} worker{'s' if n != 1 else ''} × micro {'/'.join(map(str, layout['micro_batch_sizes']))}"
+    n, micro = layout["num_workers"], "/".join(map(str, layout["micro_batch_sizes"]))
+    if layout.get("elastic"):
+        return f"{layout['elastic'][0]}-{layout['elastic'][1]} workers (elastic) × micro {micro}"
+    return f"{n} worker{'s' if n != 1 else ''} × micro {micro}"

@@ -11,6 +11,7 @@ config starts a fresh run instead of resuming a foreign one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import signal
@@ -35,6 +36,7 @@ from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import train_loop_per_worker
 from bertpipe.jobs.pretrain.data.masking import COLUMNS
 from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError
+from bertpipe.jobs.pretrain.metrics.rate import ProgressFigures
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import MODEL_ALIAS, RunLogger, unwrap
 from bertpipe.pipeline.framework import storage
@@ -48,7 +50,8 @@ log = logging.getLogger("bertpipe.pretrain")
 def resource_need(cfg: PretrainConfig) -> Need:
     """Trainer workers that take every CPU leave none for Ray Data's read tasks and the run hangs: one CPU stays
     free beside them."""
-    return Need("pretrain", cfg.num_workers, cfg.cpus_per_worker, 1.0 if cfg.use_gpu else 0.0)
+    return Need("pretrain", cfg.whole_batch_worlds()[0] if cfg.elastic else cfg.num_workers, cfg.cpus_per_worker,
+                1.0 if cfg.use_gpu else 0.0)
 
 
 def wait_for_capacity(cfg: PretrainConfig, wait_s: float, console: Console) -> None:
@@ -111,7 +114,7 @@ def preflight(ctx: StageContext) -> None:
 
     cfg = ctx.section(PretrainConfig)
     if ctx.local_ray_cpus:  # the local Ray this run will start: refuse a layout that would hang on it now
-        check_resources(cfg, {"CPU": ctx.local_ray_cpus, "GPU": cfg.num_workers})
+        check_resources(cfg, {"CPU": ctx.local_ray_cpus, "GPU": cfg.max_workers})
     vocab, pairs = ctx.input("vocab"), ctx.input("pairs")
     if not pairs.explicit and "pairs" in ctx.config:  # pairs runs before it in this workflow
         check_phase_lengths(cfg, ctx.config["pairs"].max_seq_lengths)
@@ -171,7 +174,8 @@ def start_record(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name
     (`bertpipe status`) all show this. Refuses a checkpoint this layout cannot load (runs.check_layout)."""
     from bertpipe.jobs.pretrain.checkpointing.resume import position_of, resume_plan
 
-    now = runs.layout_of(cfg.num_workers, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
+    now = runs.layout_of(cfg.max_workers, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage,
+                         cfg.num_workers if cfg.elastic else None)
     record: dict[str, Any] = {"at": time.time(), "started_from": f"the weights of {cfg.init}" if cfg.init
                               else "random initialisation", "layout_now": now}
     if resume:
@@ -227,28 +231,29 @@ def _datasets(pairs_uri: str, spec: WorkerSpec) -> tuple[dict[str, Any], WorkerS
     # The vocabulary's identity from the bytes the workers get (pipeline.formats.vocabulary.vocab_hash, without a
     # second read).
     vocab_hash = hashlib.sha256(spec.vocab_bytes).hexdigest()
-    datasets, rows, heldouts = {}, {}, {}
+    datasets, rows, heldouts, shards = {}, {}, {}, {}
     for phase, steps in zip(cfg.phases, cfg.phase_steps()):
         L = phase.max_seq_length
         train, heldout = list_shards(pairs_uri, L)
         rows[f"train_{L}"] = sum(check_shard(u, vocab_hash, L) for u in train)
         rows[f"heldout_{L}"] = check_shard(heldout, vocab_hash, L)
-        per_worker = rows[f"train_{L}"] // cfg.num_workers
+        per_worker = rows[f"train_{L}"] // cfg.max_workers
         if steps and per_worker < phase.micro_batch_size:
-            raise ValueError(f"{rows[f'train_{L}']} training rows at seq {L} are too few for {cfg.num_workers} "
+            raise ValueError(f"{rows[f'train_{L}']} training rows at seq {L} are too few for {cfg.max_workers} "
                              f"workers × micro_batch_size {phase.micro_batch_size}")
-        if rows[f"heldout_{L}"] < cfg.num_workers:
+        if rows[f"heldout_{L}"] < cfg.max_workers:
             raise StageInputError(f"held-out shard {heldout} has {rows[f'heldout_{L}']} rows, fewer than the "
-                                  f"{cfg.num_workers} workers")
-        datasets[f"train_{L}"] = read_parquet(train, COLUMNS)
+                                  f"{cfg.max_workers} workers")
+        if cfg.elastic:  # the workers read the shards themselves, in the order every worker count shares
+            shards[L] = train
+        else:
+            datasets[f"train_{L}"] = read_parquet(train, COLUMNS)
         heldouts[L] = heldout
-    return datasets, dataclasses.replace(spec, rows=rows, heldout=heldouts)
+    return datasets, dataclasses.replace(spec, rows=rows, heldout=heldouts, train_shards=shards)
 
 
-def _describe(fields: dict) -> str:
-    parts = [f"loss {fields['loss']:.3f}" if fields.get("loss") is not None else "",
-             f"{fields['seq_s']:.1f} seq/s" if fields.get("seq_s") else ""]
-    return " · ".join(p for p in parts if p)
+def workers_text(cfg: PretrainConfig) -> str:
+    return f"{cfg.min_workers}-{cfg.max_workers}" if cfg.elastic else str(cfg.num_workers)
 
 
 def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name: str) -> WorkerSpec:
@@ -268,11 +273,18 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
+    from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer, set_start_timeout
+
     cfg = spec.pretrain
-    return TorchTrainer(
+    if cfg.elastic:
+        set_start_timeout(cfg.elastic_start_timeout_s)
+    kind = (functools.partial(ElasticTorchTrainer, worlds=cfg.whole_batch_worlds()) if cfg.elastic
+            else TorchTrainer)
+    return kind(
         train_loop_per_worker, train_loop_config={"spec": spec},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                               resources_per_worker={"CPU": cfg.cpus_per_worker}),
+                                               resources_per_worker={"CPU": cfg.cpus_per_worker},
+                                               elastic_resize_monitor_interval_s=cfg.elastic_resize_check_s),
         run_config=ray.train.RunConfig(
             name=spec.run_name, storage_path=spec.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
@@ -418,7 +430,7 @@ def run_stage(ctx: StageContext) -> StageResult:
 
         ctx.console.tell(heads_line(cfg.init, init_heads(ctx)), log)
     datasets, spec = _datasets(ctx.input("pairs").uri, spec)
-    ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.num_workers)
+    ds_json = deepspeed_config(cfg, cfg.phases[0], cfg.whole_batch_worlds()[-1] if cfg.elastic else cfg.num_workers)
     storage.write_text_atomic(storage.join(ctx.output_uri, "deepspeed_config.json"),
                               json.dumps(ds_json, indent=2, sort_keys=True))
     run = RunLogger(ctx.tracking)
@@ -426,12 +438,17 @@ def run_stage(ctx: StageContext) -> StageResult:
     run.log_dict(ds_json, "deepspeed_config.json")
     resume = resume_point(storage_path, spec.run_name, cfg, ctx.console)
     start = announce_start(ctx, cfg, storage_path, spec.run_name, resume, run, spec.rows)
-    log.info("pretrain: %d workers, ZeRO %d, %s steps, storage %s/%s%s", cfg.num_workers, cfg.zero_stage,
+    if cfg.elastic:
+        from bertpipe.jobs.pretrain.elastic import worlds_line
+
+        ctx.console.tell(worlds_line(cfg), log)
+    log.info("pretrain: %s workers, ZeRO %d, %s steps, storage %s/%s%s", workers_text(cfg), cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
     watch = AttemptWatch(cfg.max_failures, run)
-    with ctx.console.remote_progress("pretrain", cfg.max_steps, "steps", _describe, watch=watch) as progress, \
+    with ctx.console.remote_progress("pretrain", cfg.max_steps, "steps", ProgressFigures(cfg), watch=watch) \
+            as progress, \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baselines") as driver_side:
-        progress.set(0, doing=f"starting {cfg.num_workers} Ray Train workers")
+        progress.set(0, doing=f"starting {workers_text(cfg)} Ray Train workers")
         early_baselines = driver_side.submit(final_baselines, ctx, cfg, spec.vocab_tokens)
         try:
             result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()

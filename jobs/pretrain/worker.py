@@ -36,6 +36,7 @@ class Worker:
     checkpoints: CheckpointManager
     compiled: bool = False  # the first step of a compiled model has run (it compiled)
     eval_compiled: bool = False  # the same for evaluation (eval mode and its batch shape compile apart)
+    drain_checked_at: float = 0.0  # time.time() of the last look for a drained node (loop.checkpoint_if_drained)
 
     @classmethod
     def build(cls, spec: WorkerSpec, engine: DeepSpeedEngine, scheduler: LambdaLR, rank: int, world: int,

@@ -23,5 +23,7 @@ class WorkerSpec:
     progress: Reporter = field(default_factory=Reporter)  # the driver's live progress line (rank 0 reports)
     rows: dict[str, int] = field(default_factory=dict)  # {"train_128": rows, "heldout_128": rows, ...}
     heldout: dict[int, str] = field(default_factory=dict)  # seq length -> held-out shard (read by heldout.py)
+    # seq length -> training shards: an elastic run's workers read them themselves (data/shared_order.py)
+    train_shards: dict[int, list[str]] = field(default_factory=dict)
     init: str = ""  # pretrain.init: the BERT folder every worker loads its weights from (init.py), "" = random
     init_config: dict = field(default_factory=dict)  # its config.json: the model's shape

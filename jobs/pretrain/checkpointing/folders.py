@@ -31,7 +31,7 @@ def _complete_step(ckpt: str, cfg: PretrainConfig) -> int | None:
     step = _step(state)
     if step is None:
         return None
-    layout = state.get("layout") or {"num_workers": cfg.num_workers, "zero_stage": cfg.zero_stage}
+    layout = state.get("layout") or {"num_workers": cfg.max_workers, "zero_stage": cfg.zero_stage}
     if layout["zero_stage"] == 0:
         needed = ["mp_rank_00_model_states.pt"]
     else:

@@ -39,7 +39,8 @@ class CheckpointManager:
         """How this worker group lays a checkpoint's state out: what a resume on another layout must match
         (runs.check_layout)."""
         cfg = self.spec.pretrain
-        return runs.layout_of(self.world, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage)
+        return runs.layout_of(self.world, [p.micro_batch_size for p in cfg.phases], cfg.zero_stage,
+                              cfg.num_workers if cfg.elastic else None)
 
     def latest(self) -> str | None:
         """The newest complete checkpoint in the run folder (None: none yet)."""

@@ -23,6 +23,10 @@ trained (`Position.sequences`, the same on every worker) and the micro-batch siz
   cannot be told. The rest of the epoch in progress is left out (the resume line says how many sequences) and
   training goes on with the next epoch: no sequence of the epoch in progress is trained twice. A checkpoint taken
   at the start of an epoch leaves nothing out.
+- An elastic run (num_workers a range) reads every epoch in one order shared by all workers (data/shared_order.py),
+  and its `Position.sequences` counts every worker's sequences in it (`Position.shared` = 1): on any worker count it
+  goes on at the next global batch, none lost, none twice. Between a shared order and a fixed count's shares (the
+  range made a count, or the other way) the epoch in progress ends as with another worker count.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from bertpipe.jobs.pretrain.data.length_binning import as_rows, concat_rows
 class Position:
     """Where in the data a worker is: optimizer step, phase, epoch of the phase, and within that epoch the
     micro-batches it trained (`batch`: seeds its masks and dropout), the sequences of its share it trained
-    (`sequences`) and the micro-batch size its share is read in (`dealt`; 0 = not started: the phase's size)."""
+    (`sequences`) and the micro-batch size its share is read in (`dealt`; 0 = not started: the phase's size);
+    `shared` = 1: the epoch is read in an elastic run's shared order and `sequences` counts every worker's."""
 
     step: int = 0
     phase: int = 0
@@ -46,6 +51,7 @@ class Position:
     batch: int = 0
     sequences: int = 0
     dealt: int = 0
+    shared: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,20 +105,39 @@ def resume_plan(position: Position, then: dict[str, Any] | None, now: dict[str, 
     micro, dealt = now["micro_batch_sizes"][position.phase], position.dealt or then["micro_batch_sizes"][
         position.phase]
     where = f"the seq-{phase.max_seq_length} epoch in progress"
+    if position.shared and now.get("elastic"):
+        return ResumePlan(position, repartition, 0, 0, (
+            f"{exact} carry over exactly, and so does the data position: {where} goes on at its sequence "
+            f"{position.sequences:,} in the order every worker count shares"))
+    if bool(position.shared) != bool(now.get("elastic")):
+        return _epoch_ends(position, repartition, exact, where, rows.get(f"train_{phase.max_seq_length}", 0)
+                           // phase.global_batch_size * phase.global_batch_size - position.sequences
+                           if position.shared else _share_left(position, then, rows, phase, dealt))
     if then["num_workers"] != now["num_workers"]:
-        share = rows.get(f"train_{phase.max_seq_length}", 0) // then["num_workers"]
-        left = then["num_workers"] * max(share // dealt * dealt - position.sequences, 0)
-        after = Position(position.step, position.phase, position.epoch + 1)
-        return ResumePlan(after, repartition, left, 0, (
-            f"{exact} carry over exactly; the data does not: another worker count deals an epoch's rows anew, so "
-            f"the rest of {where} ({left:,} sequences not trained yet) is left out and training goes on with the "
-            "next epoch (no sequence of this one trained twice)"))
+        return _epoch_ends(position, repartition, exact, where, _share_left(position, then, rows, phase, dealt))
     if skips_whole_batches(position, dealt, micro):
         return ResumePlan(position, repartition, 0, 0, f"{exact} carry over exactly, and so does the data position")
     return ResumePlan(position, repartition, 0, micro, (
         f"{exact} carry over exactly, and so does the data position: the rest of {where} is the sequences not "
         f"trained yet, in their order, re-cut from micro-batches of {dealt} into {micro} (their masks and dropout "
         "draws differ)"))
+
+
+def _share_left(position: Position, then: dict[str, Any], rows: dict[str, int], phase, dealt: int) -> int:
+    """Sequences of the epoch in progress no worker of a fixed count `then` trained yet."""
+    share = rows.get(f"train_{phase.max_seq_length}", 0) // then["num_workers"]
+    return then["num_workers"] * max(share // dealt * dealt - position.sequences, 0)
+
+
+def _epoch_ends(position: Position, repartition: bool, exact: str, where: str, left: int) -> ResumePlan:
+    """The plan of a resume that cannot tell which rows of the epoch in progress were trained: its rest (`left`
+    sequences) is left out and training goes on with the next epoch."""
+    left = max(left, 0)
+    after = Position(position.step, position.phase, position.epoch + 1)
+    return ResumePlan(after, repartition, left, 0, (
+        f"{exact} carry over exactly; the data does not: another worker count deals an epoch's rows anew, so "
+        f"the rest of {where} ({left:,} sequences not trained yet) is left out and training goes on with the "
+        "next epoch (no sequence of this one trained twice)"))
 
 
 def _workers(n: int) -> str:

@@ -15,6 +15,7 @@ from bertpipe.jobs.pretrain.checkpointing import resume
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.data.heldout import read_heldout
+from bertpipe.jobs.pretrain.data import shared_order
 from bertpipe.jobs.pretrain.data.length_binning import length_binned
 from bertpipe.jobs.pretrain.data.masking import seed_of
 from bertpipe.jobs.pretrain.metrics.eta import EVAL_BATCH
@@ -53,6 +54,9 @@ class WorkerData:
         resumed worker starts from are dropped without collating; otherwise (a resume with another micro-batch) the
         sequences not trained yet are re-cut into the new size (resume.recut). `batches`: the rows in micro-batches
         (default this worker's share of the phase's dataset, opened ahead by open_all where it could be)."""
+        if self.spec.pretrain.elastic and batches is None:
+            yield from self.shared_micro_batches(position)
+            return
         phase_index, epoch = position.phase, position.epoch
         micro = self.spec.pretrain.phases[phase_index].micro_batch_size
         dealt = position.dealt or micro
@@ -83,6 +87,21 @@ class WorkerData:
             if n >= skip:
                 yield first + n, raw, pulled_at
 
+    def shared_micro_batches(self, position: Position) -> Iterator[tuple[int, dict, float]]:
+        """An elastic run's micro_batches: this rank's share of the epoch's shared order (shared_order.py) from the
+        global count of sequences trained, `position.sequences`, whatever worker count trained them."""
+        phase = self.spec.pretrain.phases[position.phase]
+        first = position.sequences // phase.global_batch_size
+        batches = shared_order.global_batches(self.spec.train_shards[phase.max_seq_length], self.spec.seed,
+                                              position.phase, position.epoch, phase.global_batch_size, skip=first)
+        it = shared_order.rank_micro_batches(batches, first, self.rank, self.world, phase.micro_batch_size)
+        while True:
+            pulled_at = time.perf_counter()
+            got = next(it, None)
+            if got is None:
+                return
+            yield got[0], got[1], pulled_at
+
     def heldout_batches(self, phase: PhaseConfig) -> list[dict[str, np.ndarray]]:
         """This worker's held-out rows at the phase's length (at most eval_max_batches batches of EVAL_BATCH,
         heldout.py), read once: every evaluation reuses them."""
@@ -110,7 +129,7 @@ class WorkerData:
             if not steps:
                 continue
             heldout.append(phase)
-            if ends[q] > position.step and q >= position.phase:
+            if ends[q] > position.step and q >= position.phase and not cfg.elastic:  # (shared order: no stream)
                 epoch, dealt = (position.epoch, position.dealt) if q == position.phase else (0, 0)
                 streams[f"seq {phase.max_seq_length}"] = (self._open_epoch, q, epoch, dealt or phase.micro_batch_size)
         doing(f"opening the training data streams ({', '.join(streams)})" if streams else "reading held-out data")

@@ -65,9 +65,11 @@ class TrainingMetrics:
         if self.rank == 0:
             self.spec.progress.set(step, **fields)
 
-    def attempt_started(self, step: int) -> None:
-        """This attempt resumed at `step`: the driver's attempt watch (attempts.py) tells a restart by it."""
-        self.tell(step, attempt_started=time.time(), resumed_from=step, eta_s=None)
+    def attempt_started(self, step: int, accumulation: int) -> None:
+        """This attempt resumed at `step` with this worker count and `accumulation` gradient accumulation steps: the
+        driver's attempt watch (attempts.py) tells a restart, and a resize, by it."""
+        self.tell(step, attempt_started=time.time(), resumed_from=step, eta_s=None, workers=self.world,
+                  accumulation=accumulation)
 
     def start_phase(self, phase_index: int) -> None:
         """A phase begins: a new logging window with the phase's FLOPs per batch; the first step of the run is timed
@@ -120,8 +122,9 @@ class TrainingMetrics:
         if self.rank == 0:
             left = eta.seconds_left(self.schedule, self.measured, step, phase)
             # The last window's figures: reading this step's loss would wait for the device.
-            self.tell(step, loss=self.last_window.get("loss"), seq_s=self.last_window.get("sequences_per_second", 0.0),
-                      doing="", eta_s=left, eta_at=time.time())
+            # step_at: the driver's rate counts the global batches of the steps over its window (metrics/rate.py)
+            self.tell(step, loss=self.last_window.get("loss"), step_at=[step, time.time()], doing="", eta_s=left,
+                      eta_at=time.time())
 
     def log_window(self, step: int, seq_length: int, lr: float, grad_norm) -> dict[str, float]:
         """The window's figures, all-reduced, logged, kept for the curves and returned (`last_window`); the window's
@@ -134,7 +137,7 @@ class TrainingMetrics:
         except NonFiniteError as exc:
             raise NonFiniteError(f"pretrain (seq {seq_length}): {exc}") from None
         metrics = {**figures, "lr": lr, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                   "seq_length": seq_length}
+                   "seq_length": seq_length, "world_size": self.world}  # an elastic run's size, step by step
         if not meter.steady:
             metrics = {k: v for k, v in metrics.items() if k not in TIMED_FIGURES}
         self.run.log_metrics(metric_names(metrics), step)

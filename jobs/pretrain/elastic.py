@@ -1,0 +1,105 @@
+"""Elastic pre-training on Ray Train V2's elastic scaling (pretrain.num_workers = [min, max]).
+
+Ray Train does the scheduling: with ScalingConfig(num_workers=(min, max)) its ElasticScalingPolicy starts the
+worker group once `min` workers fit, restarts it on what fits when a worker's node is lost, and grows it by a
+restart when more fits (checked every `elastic_resize_monitor_interval_s`). Each restart resumes from the last
+checkpoint through the universal-checkpoint path (checkpointing/repartition.py), and the data goes on at its global
+position (data/shared_order.py).
+
+What is added to Ray's policy:
+- a worker count that cannot split a phase's global batch exactly (global batch = micro-batch × workers ×
+  accumulation steps) is never started; the policy takes the largest count of the range below what fits that can.
+  The driver says which counts those are, once, when the run starts;
+- the cluster's room is read fresh at each decision (Ray Data's autoscaling coordinator, which Ray Train asks,
+  refreshes its view of the nodes every 20 s otherwise): a node that joined is used at the next resize check, and
+  a restart after a loss does not size the group by a node already gone from the coordinator's view;
+- a worker group that does not start within `pretrain.elastic_start_timeout_s` (it was sized by a node the cluster
+  has not declared dead yet: a node's death takes its health checks, ~15-30 s) is given up sooner than Ray Train's
+  60 s, and the next try counts again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+    AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+)
+from ray.train.v2._internal.util import time_monotonic
+
+from bertpipe.jobs.pretrain.config import PretrainConfig
+
+
+def whole_batch_world(fits: int, worlds: list[int]) -> int:
+    """The largest worker count of `worlds` (those that split every global batch exactly) not above `fits`; 0 when
+    none is (Ray Train then waits, as for fewer than min workers)."""
+    return max((n for n in worlds if n <= fits), default=0)
+
+
+class WholeBatchScalingPolicy(ElasticScalingPolicy):
+    """Ray Train's elastic policy, counting only the worker counts that split the global batch exactly."""
+
+    def __init__(self, scaling_config, worlds: list[int]):
+        super().__init__(scaling_config)
+        self.worlds = worlds
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        return whole_batch_world(super()._count_possible_workers(reserved_resources), self.worlds)
+
+    def _get_reserved_resources(self):
+        """Ray's, but recomputed against the cluster's nodes now (at most once a second, as Ray's)."""
+        now = time_monotonic()
+        if now - self._latest_reserved_resources_query_time < self.GET_RESERVED_RESOURCES_INTERVAL_S:
+            return self._latest_reserved_resources
+        try:
+            self._latest_reserved_resources = ray.get(
+                self._autoscaling_coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
+                timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - as Ray's: no resize on this look
+            logging.getLogger(__name__).warning("could not read the reserved resources", exc_info=True)
+            self._latest_reserved_resources = None
+        self._latest_reserved_resources_query_time = time_monotonic()
+        return self._latest_reserved_resources
+
+
+class ElasticTorchTrainer(TorchTrainer):
+    """A TorchTrainer whose elastic scaling policy is WholeBatchScalingPolicy (fit() builds Ray's own otherwise)."""
+
+    def __init__(self, *args, worlds: list[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.worlds = worlds
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        controller_init_kwargs["scaling_policy"] = WholeBatchScalingPolicy(self.scaling_config, self.worlds)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train hands it from the driver to its controller
+
+
+def set_start_timeout(seconds: float) -> None:
+    """Ray Train's worker-group start timeout for this driver's runs, unless the user set one."""
+    os.environ.setdefault(START_TIMEOUT_ENV, f"{seconds:g}")
+
+
+def worlds_line(cfg: PretrainConfig) -> str:
+    """The start's one line on an elastic range: which worker counts hold the global batch exactly, and what a
+    cluster holding another count trains on."""
+    worlds = cfg.whole_batch_worlds()
+    odd = [n for n in range(cfg.min_workers, cfg.max_workers + 1) if n not in worlds]
+    accumulation = ", ".join(f"{n} worker{'s' if n != 1 else ''} × accumulation {accumulation_at(cfg, n)}"
+                             for n in worlds)
+    line = (f"pretrain: elastic, {cfg.min_workers} to {cfg.max_workers} workers; the global batch stays "
+            f"({accumulation})")
+    if odd:
+        line += (f"; {', '.join(map(str, odd))} worker{'s' if odd != [1] else ''} would not split it exactly: such "
+                 f"a cluster trains on the largest count below that does")
+    return line
+
+
+def accumulation_at(cfg: PretrainConfig, world: int) -> str:
+    """Gradient accumulation steps of each phase at `world` workers ("4", or "4/2" over two phases)."""
+    return "/".join(str(ph.global_batch_size // (ph.micro_batch_size * world)) for ph in cfg.phases)

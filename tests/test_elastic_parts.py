@@ -1,0 +1,153 @@
+"""The parts of elastic pre-training that need no cluster (issue 41): the shared data order and its global position
+(no sequence of an epoch lost or trained twice across resizes), the worker counts that hold the global batch, the
+resume rule, the resize lines of the attempt watch, the driver's rate over all workers' sequences, and the drain's
+checkpoint decision on a fake clock. The real cluster is in tests/test_elastic_multinode.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bertpipe.jobs.pretrain import drain
+from bertpipe.jobs.pretrain.attempts import AttemptWatch
+from bertpipe.jobs.pretrain.checkpointing.resume import Position, resume_plan
+from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig
+from bertpipe.jobs.pretrain.data import shared_order
+from bertpipe.jobs.pretrain.elastic import whole_batch_world, worlds_line
+from bertpipe.jobs.pretrain.metrics.rate import ProgressFigures, sequences_at
+from bertpipe.jobs.pretrain.runs import layout_of
+from test_attempts import FakeRun
+
+FILES = {f"f{i}": 37 + 5 * i for i in range(4)}  # rows per shard: uneven, so global batches span files
+
+
+def fake_read(uri: str) -> dict[str, np.ndarray]:
+    """Rows whose input_ids name them: (file, row) -> a unique id, lengths varied."""
+    base = int(uri[1:]) * 1000
+    ids = np.empty(FILES[uri], dtype=object)
+    for r in range(FILES[uri]):
+        ids[r] = np.full(3 + (r * 7) % 11, base + r, dtype=np.int64)
+    return {"input_ids": ids, "segment_b_start": np.ones(FILES[uri], np.int16),
+            "next_sentence_label": np.zeros(FILES[uri], np.int8)}
+
+
+def trained(world: int, steps: range, micro: int = 2, global_batch: int = 12) -> list[int]:
+    """Row ids every rank of `world` trains over optimizer steps `steps` of epoch 0 (the global position: steps
+    before them done)."""
+    rows = []
+    for rank in range(world):
+        batches = shared_order.global_batches(list(FILES), 7, 0, 0, global_batch, skip=steps.start, read=fake_read)
+        for place, mb in shared_order.rank_micro_batches(batches, steps.start, rank, world, micro):
+            if place // (global_batch // micro) in steps:
+                rows += [int(r[0]) for r in mb["input_ids"]]
+    return rows
+
+
+def test_resizes_mid_epoch_train_every_sequence_once_in_the_same_global_batches():
+    total = sum(FILES.values()) // 12  # global batches in the epoch
+    fixed = trained(2, range(total))
+    # 2 workers, then 3 (a node joined), then 1 (two lost), then 6: the position is the global count
+    resized = (trained(2, range(0, 4)) + trained(3, range(4, 9)) + trained(1, range(9, 11))
+               + trained(6, range(11, total)))
+    assert len(resized) == len(set(resized)) == total * 12  # none twice, none left out (but the epoch's short tail)
+    assert sorted(resized) == sorted(fixed)
+    # each global batch holds the same rows on any worker count
+    for step in (0, 5, total - 1):
+        assert sorted(trained(1, range(step, step + 1))) == sorted(trained(6, range(step, step + 1)))
+
+
+def test_the_shared_order_is_another_one_each_epoch_and_micro_batches_are_sorted_by_length():
+    first = next(shared_order.global_batches(list(FILES), 7, 0, 0, 12, read=fake_read))
+    other = next(shared_order.global_batches(list(FILES), 7, 0, 1, 12, read=fake_read))
+    assert [int(r[0]) for r in first["input_ids"]] != [int(r[0]) for r in other["input_ids"]]
+    lengths = [len(r) for r in first["input_ids"]]
+    assert lengths == sorted(lengths)
+    assert shared_order.sequences_through(place=5, micro=2, global_batch=12) == 12  # the 6th micro-batch ends it
+    assert shared_order.sequences_through(place=6, micro=2, global_batch=12) == 24
+
+
+def elastic(workers, global_batch=24, micro=4, max_steps=100, **kw) -> PretrainConfig:
+    return PretrainConfig(num_workers=workers, max_steps=max_steps, phases=(
+        PhaseConfig(max_seq_length=32, max_predictions_per_seq=5, global_batch_size=global_batch,
+                    micro_batch_size=micro),), **kw)
+
+
+def test_a_range_keeps_the_counts_that_split_the_global_batch_and_takes_the_largest_below_what_fits():
+    cfg = elastic((2, 5))
+    assert cfg.elastic and (cfg.min_workers, cfg.max_workers) == (2, 5)
+    assert cfg.whole_batch_worlds() == [2, 3]  # 24 = 4 × workers × accumulation: 4 and 5 workers cannot
+    assert [whole_batch_world(n, cfg.whole_batch_worlds()) for n in (1, 2, 3, 4, 5)] == [0, 2, 3, 3, 3]
+    line = worlds_line(cfg)
+    assert "2 workers × accumulation 3, 3 workers × accumulation 2" in line and "4, 5 workers would not" in line
+    with pytest.raises(ValueError, match="no worker count in the range"):
+        elastic((4, 5))
+    with pytest.raises(ValueError, match="range"):
+        elastic((3, 2))
+    assert not elastic(2).elastic
+
+
+def test_a_shared_position_goes_on_exactly_on_another_count_and_a_fixed_one_ends_its_epoch():
+    cfg = elastic((1, 3))
+    taken = Position(step=4, epoch=0, batch=24, sequences=96, dealt=4, shared=1)
+    then, now = layout_of(2, [4], 1, (1, 3)), layout_of(3, [4], 1, (1, 3))
+    plan = resume_plan(taken, then, now, cfg, {"train_32": 400})
+    assert plan.position == taken and plan.left_out == 0 and plan.repartition
+    assert "goes on at its sequence 96" in plan.carries
+    fixed = resume_plan(taken, then, layout_of(3, [4], 1), elastic(3), {"train_32": 400})
+    assert fixed.position == Position(4, 0, 1) and fixed.left_out == 384 - 96
+
+
+def test_a_resize_is_one_line_with_the_worker_count_and_the_accumulation_and_a_grow_is_told_too():
+    nodes = {"a": "10.0.0.1, 1 CPUs", "b": "10.0.0.2, 1 CPUs", "c": "10.0.0.3, 1 CPUs"}
+    clock = {"now": 0.0}
+    run = FakeRun()
+    watch = AttemptWatch(3, run, nodes=lambda: dict(nodes), clock=lambda: clock["now"])
+    watch(0, {"attempt_started": 1.0, "resumed_from": 0, "workers": 3, "accumulation": 2})
+    for step in range(1, 13):
+        clock["now"] += 1
+        watch(step, {"attempt_started": 1.0})
+    del nodes["b"]
+    clock["now"] += 2
+    watch(12, {"attempt_started": 1.0})
+    shown = watch(10, {"attempt_started": 2.0, "resumed_from": 10, "workers": 2, "accumulation": 3})
+    assert shown["status"] == ("a worker node (10.0.0.2, 1 CPUs) was lost at step 12: going on with 2 workers from "
+                               "the step-10 checkpoint, accumulation 2 → 3")
+    for step in range(11, 21):
+        clock["now"] += 1
+        watch(step, {"attempt_started": 2.0})
+    grown = watch(20, {"attempt_started": 3.0, "resumed_from": 20, "workers": 3, "accumulation": 2})
+    assert grown["status"] == ("the cluster grew at step 20: going on with 3 workers from the step-20 checkpoint, "
+                               "accumulation 3 → 2")
+    assert len(watch.lines) == 2 and run.metrics == [({"train/restarts": 1}, 10)]  # a grow is no failure
+
+
+def test_the_rate_counts_every_workers_sequences_over_its_window_and_starts_again_after_a_restart():
+    cfg = elastic((1, 3), global_batch=24)
+    figures = ProgressFigures(cfg, window_s=10.0)
+    assert figures({"loss": 5.0}) == "loss 5.000"
+    for step in range(1, 21):  # a step a second, then the last steps twice as fast
+        figures({"loss": 4.0, "step_at": [step, float(step if step <= 10 else 10 + (step - 10) / 2)]})
+    # the window covers the last 10 s: steps 5 (t = 5) to 20 (t = 15), 15 global batches of 24
+    assert figures({"loss": 4.0, "step_at": [20, 15.0]}) == f"loss 4.000 · {15 * 24 / 10:.1f} seq/s"
+    assert figures({"loss": 4.0, "step_at": [12, 30.0]}) == "loss 4.000"  # a restart: one sample, no rate yet
+    assert sequences_at(PretrainConfig(max_steps=10, phase1_fraction=0.5), 7) == 5 * 32 + 2 * 8
+
+
+def test_the_drain_checkpoint_waits_while_the_deadline_is_far_and_is_taken_once_it_comes_near():
+    # a 4 s checkpoint, looks 1 s apart: due within 2 × 4 + 1 + margin of the deadline
+    deadline_ms = 100_000
+    due_at = deadline_ms / 1000 - (2 * 4 + 1 + drain.MARGIN_S)
+    assert not drain.checkpoint_due(deadline_ms, due_at - 0.5, 4.0, 1.0)
+    assert drain.checkpoint_due(deadline_ms, due_at, 4.0, 1.0)
+    assert drain.checkpoint_due(None, 0.0, 4.0, 1.0)  # no deadline: at once
+
+    class Info:
+        deadline_ms, preempted_node_ids, preempted_ranks = 100_000, ["ab12cd34ef"], [1]
+
+    told = drain.notice(Info, 40, 90.0, 4.0, 1.0)
+    assert told.due and told.hold_until_s == 100.0 + drain.HOLD_PAST_DEADLINE_S
+    assert told.line == ("node ab12cd34 (rank 1) is being drained (deadline in 10 s): checkpoint at step 40, then "
+                         "the workers wait for Ray Train to go on without it")
+    clock = {"now": 0.0}
+    drain.hold_until_restart(5.0, clock=lambda: clock["now"],
+                             sleep=lambda s: clock.__setitem__("now", clock["now"] + s))
+    assert clock["now"] == 5.0
