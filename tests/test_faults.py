@@ -132,9 +132,10 @@ def runs(tracking_uri: str) -> dict[str, object]:
 
 def start_pairs(home: Path, workdir: Path, ray_tmp: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     """`bertpipe run --only pairs` on `workdir`, returned once its local Ray is up (the console's "ray" line)."""
+    # A session of its own: a signal the test sends reaches the run alone, never pytest's process group.
     proc = subprocess.Popen([str(BIN / "bertpipe"), "run", "--workdir", str(workdir), "--only", "pairs", *QUIET,
                              *extra], cwd=home, env=cli_env(ray_tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=True)
     out = []
     for line in proc.stdout:
         out.append(line.rstrip("\n"))
@@ -150,6 +151,13 @@ def wait_for_writers(stage: Path, proc: subprocess.Popen, timeout: float = 240) 
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "no part file appeared"
         time.sleep(0.05)
+
+
+def interrupt(proc: subprocess.Popen, sig: int) -> None:
+    """`sig` to the run, which must still be running: Popen.send_signal skips a process that has ended, and the run
+    would then look as if it had ignored the signal (exit 0)."""
+    assert proc.poll() is None, ("the run ended before the signal", proc.communicate())
+    os.kill(proc.pid, sig)
 
 
 def finish(proc: subprocess.Popen, out: list[str]) -> tuple[int, str, str]:
@@ -339,7 +347,7 @@ def test_sigterm_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, h
     uri = f"http://alice:{PASSWORD}@127.0.0.1:{mlflow_server}/"
     proc, out = start_pairs(home, workdir, ray_tmp, "--set", f"mlflow.tracking_uri={uri}")
     wait_for_writers(workdir / "pairs", proc)
-    proc.send_signal(signal.SIGTERM)
+    interrupt(proc, signal.SIGTERM)
     code, stdout, stderr = finish(proc, out)
 
     assert_interrupted(signal.SIGTERM, code, stderr, workdir, ray_tmp)
@@ -364,7 +372,7 @@ def test_sigint_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, ho
     workdir = copy_of(committed, tmp_path / "w")
     proc, out = start_pairs(home, workdir, ray_tmp)
     wait_for_writers(workdir / "pairs", proc)
-    proc.send_signal(signal.SIGINT)
+    interrupt(proc, signal.SIGINT)
     code, _, stderr = finish(proc, out)
 
     assert_interrupted(signal.SIGINT, code, stderr, workdir, ray_tmp)
