@@ -66,7 +66,7 @@ def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost_and_grows_bac
                                     "--set", "pretrain.elastic_start_timeout_s=15", mlflow=True), tmp_path)
         wait_until(lambda: _a_checkpoint_is_registered(tmp_path / "w" / "ray_results"), "first checkpoint",
                    still_running=lambda: run.proc.poll() is None, why_stopped=run.text, poll_s=0.2)
-        rig.kill_train_node()
+        killed = rig.kill_train_node()
         run.wait_for_line(r"going on with 2 workers")
         rig.add_node(1)
         code = run.finish(240)
@@ -86,6 +86,9 @@ def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost_and_grows_bac
     sizes = [int(v) for _, v in mlflow_series(tmp_path, "train/world_size")]
     changes = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
     assert changes == [3, 2, 3], sizes
+    reached = int(lost[0].group(1))
+    print(f"\nnode killed at step {reached}; step {reached + 1} (a new step, after those redone) "
+          f"{first_step_after(tmp_path, killed['at'], reached) - killed['at']:.1f} s after the kill")
 
 
 @pytest.mark.slow  # ~1.5 min on 2 cores
@@ -108,7 +111,7 @@ def test_a_node_drained_with_a_deadline_makes_the_run_checkpoint_before_it_and_n
         drained_at = time.time()
         line = run.wait_for_line(r"is being drained \(deadline in \d+ s\): checkpoint at step \d+")
         time.sleep(max(drained_at + deadline_s - time.time(), 0))
-        rig.kill_node(victim)  # the cloud takes the node at its deadline
+        taken = rig.kill_node(victim)  # the cloud takes the node at its deadline
         code = run.finish(240)
     console = run.text()
     assert code == 0, console
@@ -122,9 +125,24 @@ def test_a_node_drained_with_a_deadline_makes_the_run_checkpoint_before_it_and_n
     assert int(lost[0].group(1)) == int(lost[0].group(2)) == at  # resumed where it stopped: no step redone
     metrics = json.loads((tmp_path / "w" / "pretrain" / "metrics.json").read_text())
     assert metrics["step"] == 200 and metrics["resumed_from_step"] == at
+    print(f"\ndrained at step {at}; first new step {first_step_after(tmp_path, taken['at'], at) - taken['at']:.1f} s "
+          f"after the node was taken at its deadline")
 
 
 def _stepping(tmp_path) -> bool:
     """The run's log shows optimizer steps (the progress lines the driver logs)."""
     log_file = next((tmp_path / "w" / "logs").glob("run-*.log"), None)
     return bool(log_file and re.search(r"bertpipe.progress: pretrain: [1-9]\d*/200", log_file.read_text()))
+
+
+def first_step_after(tmp_path, since: float, step: int) -> float:
+    """When the run's log first showed a step past `step` after time `since` (the driver logs the progress)."""
+    log_file = next((tmp_path / "w" / "logs").glob("run-*.log"))
+    for line in log_file.read_text().splitlines():
+        stamp = re.match(r"(\S+ \S+),(\d+) ", line)
+        shown = re.search(r"bertpipe.progress: pretrain: (\d+)/", line)
+        if stamp and shown and int(shown.group(1)) > step:
+            at = time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) + int(stamp.group(2)) / 1e3
+            if at > since:
+                return at
+    raise AssertionError(f"no step past {step} after the loss in {log_file}")

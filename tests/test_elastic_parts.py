@@ -128,7 +128,11 @@ def test_the_rate_counts_every_workers_sequences_over_its_window_and_starts_agai
         figures({"loss": 4.0, "step_at": [step, float(step if step <= 10 else 10 + (step - 10) / 2)]})
     # the window covers the last 10 s: steps 5 (t = 5) to 20 (t = 15), 15 global batches of 24
     assert figures({"loss": 4.0, "step_at": [20, 15.0]}) == f"loss 4.000 · {15 * 24 / 10:.1f} seq/s"
-    assert figures({"loss": 4.0, "step_at": [12, 30.0]}) == "loss 4.000"  # a restart: one sample, no rate yet
+    # a restart (from the step-20 checkpoint): the time restarting is in no window; the last attempt's step is not
+    # the new one's
+    assert figures({"loss": 4.0, "step_at": [20, 15.0], "attempt_started": 40.0}) == "loss 4.000"
+    assert figures({"loss": 4.0, "step_at": [21, 50.0], "attempt_started": 40.0}) == "loss 4.000"
+    assert figures({"loss": 4.0, "step_at": [23, 51.0], "attempt_started": 40.0}) == "loss 4.000 · 48.0 seq/s"
     assert sequences_at(PretrainConfig(max_steps=10, phase1_fraction=0.5), 7) == 5 * 32 + 2 * 8
 
 

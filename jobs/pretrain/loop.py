@@ -64,9 +64,11 @@ def setup(spec: WorkerSpec) -> Worker:
     if rank == 0:  # add(0): a restarted attempt's progress stays where training stood until it resumes
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
     engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world, spec.init_config)
-    return Worker.build(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
-                        RunLogger(spec.tracking, enabled=rank == 0, background=True,  # metrics never wait for MLflow
-                                  tell=lambda line: spec.progress.add(0, status=line)), local_rank=ctx.get_local_rank())
+    w = Worker.build(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
+                     RunLogger(spec.tracking, enabled=rank == 0, background=True,  # metrics never wait for MLflow
+                               tell=lambda line: spec.progress.add(0, status=line)), local_rank=ctx.get_local_rank())
+    w.watches_drains = True
+    return w
 
 
 def accumulation_of(w: Worker, phase_index: int) -> int:
@@ -175,7 +177,8 @@ def after_step(w: Worker, position: Position, phase_end: int) -> None:
         evaluate_at(w, position)
     if step % cfg.checkpoint_every_steps == 0 and step < cfg.max_steps:
         checkpoint_at(w, position)
-    if cfg.drain_check_every_steps and step % cfg.drain_check_every_steps == 0 and step < cfg.max_steps:
+    if w.watches_drains and cfg.drain_check_every_steps and step % cfg.drain_check_every_steps == 0 \
+            and step < cfg.max_steps:
         checkpoint_if_drained(w, position)
 
 
@@ -195,7 +198,7 @@ def checkpoint_if_drained(w: Worker, position: Position) -> None:
     dist.broadcast_object_list(decided, src=0)
     if not decided[0].due:
         return
-    w.metrics.tell(position.step, status=f"pretrain: {decided[0].line}")
+    w.metrics.tell(position.step, status=decided[0].line)
     log.info("rank %d: %s", w.rank, decided[0].line)
     if position.step % w.spec.pretrain.checkpoint_every_steps:  # (none just taken at this step)
         checkpoint_at(w, position)

@@ -36,7 +36,9 @@ class Worker:
     checkpoints: CheckpointManager
     compiled: bool = False  # the first step of a compiled model has run (it compiled)
     eval_compiled: bool = False  # the same for evaluation (eval mode and its batch shape compile apart)
-    drain_checked_at: float = 0.0  # time.time() of the last look for a drained node (loop.checkpoint_if_drained)
+    # A Ray Train worker looks for drained nodes (loop.checkpoint_if_drained); one built outside Ray Train cannot.
+    watches_drains: bool = False
+    drain_checked_at: float = 0.0  # time.time() of the last look
 
     @classmethod
     def build(cls, spec: WorkerSpec, engine: DeepSpeedEngine, scheduler: LambdaLR, rank: int, world: int,
