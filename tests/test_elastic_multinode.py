@@ -54,7 +54,7 @@ def told(console: str, pattern: str) -> list[re.Match]:
     return [m for m in (re.search(pattern, line) for line in console.splitlines()) if m]
 
 
-@pytest.mark.slow  # ~2 min on 2 cores: three attempts of three, two and three workers
+# ~3 min on 2 cores (three attempts of three, two and three workers): in the default tier, so CI runs it
 def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost_and_grows_back_when_one_joins(inputs,
                                                                                                  tmp_path):
     with MultiNodeRay(head_cpus=0, node_cpus=(1, 1, 1)) as rig:
@@ -91,7 +91,7 @@ def test_a_range_of_workers_goes_on_with_fewer_when_a_node_is_lost_and_grows_bac
           f"{first_step_after(tmp_path, killed['at'], reached) - killed['at']:.1f} s after the kill")
 
 
-@pytest.mark.slow  # ~1.5 min on 2 cores
+# ~1.5 min on 2 cores
 def test_a_node_drained_with_a_deadline_makes_the_run_checkpoint_before_it_and_no_step_is_redone(inputs, tmp_path):
     deadline_s = 20
     with MultiNodeRay(head_cpus=0, node_cpus=(1, 1)) as rig:
