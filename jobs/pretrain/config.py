@@ -48,6 +48,10 @@ class PhaseConfig:
     learning_rate: float = 1e-4
     warmup_steps: int = 10
 
+    def accumulation(self, workers: int) -> int:
+        """Gradient accumulation steps at `workers` workers: the micro-batches each trains per optimizer step."""
+        return self.global_batch_size // (self.micro_batch_size * workers)
+
     def __post_init__(self) -> None:
         section = "pretrain.phases[]"  # the index is not known here; the field and its value name the phase
         sequence_length(section, self)

@@ -102,4 +102,4 @@ def worlds_line(cfg: PretrainConfig) -> str:
 
 def accumulation_at(cfg: PretrainConfig, world: int) -> str:
     """Gradient accumulation steps of each phase at `world` workers ("4", or "4/2" over two phases)."""
-    return "/".join(str(ph.global_batch_size // (ph.micro_batch_size * world)) for ph in cfg.phases)
+    return "/".join(str(ph.accumulation(world)) for ph in cfg.phases)

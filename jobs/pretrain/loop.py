@@ -72,8 +72,7 @@ def setup(spec: WorkerSpec) -> Worker:
 
 
 def accumulation_of(w: Worker, phase_index: int) -> int:
-    phase = w.spec.pretrain.phases[min(phase_index, len(w.spec.pretrain.phases) - 1)]
-    return phase.global_batch_size // (phase.micro_batch_size * w.world)
+    return w.spec.pretrain.phases[min(phase_index, len(w.spec.pretrain.phases) - 1)].accumulation(w.world)
 
 
 def train(w: Worker, position: Position) -> Position:

@@ -55,7 +55,7 @@ def global_batches(files: list[str], seed: int, phase: int, epoch: int, global_b
         pending.append({k: v[order] for k, v in rows.items()})
         held += n
         while held >= global_batch:
-            batch, pending = _first_rows(pending, global_batch)
+            batch, pending = _first_rows(pending, global_batch, copy=index >= skip)
             held -= global_batch
             if index >= skip:
                 by_length = np.argsort([len(r) for r in batch["input_ids"]], kind="stable")
@@ -63,9 +63,11 @@ def global_batches(files: list[str], seed: int, phase: int, epoch: int, global_b
             index += 1
 
 
-def _first_rows(chunks: list[dict[str, np.ndarray]], count: int) -> tuple[dict[str, np.ndarray], list]:
-    """The first `count` rows of `chunks` (columns each, oldest first) and the chunks left. Only those rows are
-    copied (the rest stay views): a shard of millions of rows is not copied again for each of its global batches."""
+def _first_rows(chunks: list[dict[str, np.ndarray]], count: int,
+                copy: bool = True) -> tuple[dict[str, np.ndarray] | None, list]:
+    """The first `count` rows of `chunks` (columns each, oldest first), or None with `copy` False (a batch skipped
+    on resume), and the chunks left. Only those rows are copied (the rest stay views): a shard of millions of rows
+    is not copied again for each of its global batches."""
     taken, left = [], count
     while left:
         first, n = chunks[0], len(chunks[0]["input_ids"])
@@ -75,7 +77,7 @@ def _first_rows(chunks: list[dict[str, np.ndarray]], count: int) -> tuple[dict[s
         else:
             taken.append({k: v[:left] for k, v in first.items()})
             chunks, left = [{k: v[left:] for k, v in first.items()}, *chunks[1:]], 0
-    return {k: np.concatenate([t[k] for t in taken]) for k in taken[0]}, chunks
+    return ({k: np.concatenate([t[k] for t in taken]) for k in taken[0]} if copy else None), chunks
 
 
 def rank_micro_batches(batches: Iterator[dict[str, np.ndarray]], first: int, rank: int, world: int,

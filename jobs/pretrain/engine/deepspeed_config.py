@@ -37,7 +37,7 @@ def deepspeed_config(cfg: PretrainConfig, phase: PhaseConfig, world_size: int) -
     ds: dict[str, Any] = {
         "train_batch_size": phase.global_batch_size,
         "train_micro_batch_size_per_gpu": phase.micro_batch_size,
-        "gradient_accumulation_steps": phase.global_batch_size // (phase.micro_batch_size * world_size),
+        "gradient_accumulation_steps": phase.accumulation(world_size),
         "gradient_clipping": cfg.gradient_clipping,
         "zero_optimization": zero,
         # bf16 has no loss scale, so nothing to skip a step for: DeepSpeed's per-gradient overflow check only

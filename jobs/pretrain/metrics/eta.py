@@ -108,7 +108,7 @@ class Schedule:
 
     def steps_per_epoch(self, q: int) -> int:
         phase = self.cfg.phases[q]
-        accumulation = max(phase.global_batch_size // (phase.micro_batch_size * self.world), 1)
+        accumulation = max(phase.accumulation(self.world), 1)
         rows = self.train_rows.get(q, 0)
         return (rows // phase.micro_batch_size) // accumulation if rows else 0
 
