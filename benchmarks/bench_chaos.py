@@ -315,8 +315,10 @@ def summary_table(base: dict, chaos: dict, noise: dict | None, label: str) -> st
 def restart_table(chaos: dict) -> str:
     """One row per restart: its latency and where it went (Markdown)."""
     have_parts = any(r.get("worker_total_s") is not None for r in chaos["restarts"])
-    worker_cols = [f"worker {p[:-2].replace('_', ' ')}" for p in RESTART_PARTS] if have_parts else \
-        ["workers' restart/* split"]
+    # restart/total_s runs from Ray Train starting the new group: the rest of "restart" is before that (the old
+    # group's end, the elastic policy waiting for room)
+    worker_cols = [*(f"workers: {p[:-2].replace('_', ' ')}" for p in RESTART_PARTS), "before the new group"] \
+        if have_parts else ["workers' restart/* split"]
     head = ["restart", "steps redone", "loss (kill) or join → first new step, s", "detection, s",
             "restart (→ the new attempt's first step), s", "redo, s", *worker_cols]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -327,7 +329,8 @@ def restart_table(chaos: dict) -> str:
             f"{_s(r['latency_s'])} (stall {_s(r.get('stall_s'))})"
         cells = [what, str(r["redone_steps"]), latency, _s(r.get("detection_s")), _s(r.get("restart_s")),
                  _s(r.get("redo_s"))]
-        cells += [_s(r.get(f"worker_{p}")) for p in RESTART_PARTS] if have_parts else ["–"]
+        cells += [*(_s(r.get(f"worker_{p}")) for p in RESTART_PARTS),
+                  _s(_minus(r.get("restart_s"), r.get("worker_total_s")))] if have_parts else ["–"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -71,6 +71,9 @@ def test_the_workers_restart_metrics_go_to_their_restart():
     lost, grew = bc.restarts(bc.resize_lines(LOG), EVENTS, bc.progress_points(LOG), parts)
     assert (lost["worker_total_s"], lost["worker_compile_s"]) == (8.0, 0.5)
     assert (grew["worker_total_s"], grew["worker_compile_s"]) == (5.0, None)
+    rows = bc.restart_table({"restarts": [lost, grew]}).splitlines()
+    assert rows[0].endswith("| workers: first batch | workers: total | before the new group |")
+    assert rows[2].endswith("| – | 0.5 | – | 8.0 | 3.5 |")  # restart 11.5 s, 8 of them from the group's start
 
 
 def test_a_step_logged_again_keeps_its_last_value_and_the_gap_is_at_equal_steps():
