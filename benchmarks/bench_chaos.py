@@ -344,6 +344,17 @@ def _final(run: dict) -> float | None:
     return run["loss"][max(run["loss"], key=int)] if run["loss"] else None
 
 
+def code_state() -> str:
+    """The commit the runs ran, and the files changed beside it (the working tree is what ran)."""
+    import subprocess
+
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--short", "--untracked-files=no"], capture_output=True,
+                             text=True).stdout.split("\n")
+    return head + "".join(f"; {line.strip()}" for line in changed if line.strip())
+
+
 # ------------------------------------------------------------------------------------------------------- main
 
 def main() -> None:
@@ -364,6 +375,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args()
     args.rejoin_after = None if args.rejoin_after == "never" else float(args.rejoin_after)
+    code = code_state()  # as the runs start: the working tree may change while they run
 
     from pretrain_helpers import make_inputs
 
@@ -391,7 +403,7 @@ def main() -> None:
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                                  for k, v in vars(args).items()},
+                                                  for k, v in vars(args).items()}, "code": code,
                                          "undisturbed": base, "noise": noise, "chaos": chaos, "table": text},
                                         indent=1))
 
