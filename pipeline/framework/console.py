@@ -51,6 +51,7 @@ class Console:
         self._last_line = clock()
         self._muted = False  # a failed run cleaning up: no progress line, status or heartbeat
         self._hooks: tuple | None = None  # (sys.unraisablehook, threading.excepthook) while ending quietly
+        self._filtered: list[logging.Handler] = []  # the console handlers end_quietly muted, until reset()
         self._board: tuple[tuple[str, str], Any] | None = None  # ((job id, driver's node), the progress board)
         self._stop = threading.Event()
         if live:
@@ -194,16 +195,24 @@ class Console:
         # Libraries' own console handlers too: MLflow's and Ray's loggers do not propagate to the CLI's handler.
         loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                           if isinstance(v, logging.Logger))]
+        terminal = {id(s) for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}
         for handler in {h for logger in loggers for h in logger.handlers}:
-            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) \
+            # Handlers writing elsewhere (a host process's in-memory log capture, a socket) are not the console's
+            if isinstance(handler, logging.StreamHandler) and id(getattr(handler, "stream", None)) in terminal \
                     and self.log_filter not in handler.filters:
                 handler.addFilter(self.log_filter)
+                self._filtered.append(handler)
         if self._hooks is None:
             self._hooks = (sys.unraisablehook, threading.excepthook)
             sys.unraisablehook, threading.excepthook = _unraisable, _thread_died
 
     def reset(self) -> None:
+        """Undo end_quietly: the handlers it muted (other code's too, e.g. a host process's log capture) pass
+        records again."""
         self._muted = False
+        for handler in self._filtered:
+            handler.removeFilter(self.log_filter)
+        self._filtered.clear()
         if self._hooks is not None:
             sys.unraisablehook, threading.excepthook = self._hooks
             self._hooks = None
