@@ -9,6 +9,8 @@ WORKDIR ?= work/tiny
 UI_PORT ?= 5000
 
 TORCH ?= 2.13.0
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: setup setup-test lock run test test-slow test-fast bench clean-work status ui
 
@@ -50,14 +52,16 @@ ui:
 	@echo "MLflow UI of $(WORKDIR): http://127.0.0.1:$(UI_PORT)  (Ctrl-C stops it)"
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORKDIR))/mlflow.db --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
+# Both tiers run on TEST_WORKERS pytest-xdist workers (most of a test's time is waiting on Ray or a server);
+# tests/xdist_lanes.py groups them. TEST_WORKERS=0: one process, in the written order.
 test: setup-test
 	$(BIN)/bertpipe fetch-sample
-	$(BIN)/python -m pytest -q --durations=25 -m "not slow"
+	$(BIN)/python -m pytest -q --durations=25 $(XDIST) -m "not slow"
 
 # The slow tier: what `make test` leaves out (minutes each, covered in part by faster tests); with `make test`, every test.
 test-slow: setup-test
 	$(BIN)/bertpipe fetch-sample
-	$(BIN)/python -m pytest -q --durations=15 -m slow
+	$(BIN)/python -m pytest -q --durations=15 $(XDIST) -m slow
 
 test-fast: setup-test
 	$(BIN)/python -m pytest -q -m "not integration"

@@ -11,6 +11,8 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+pytest_plugins = ["xdist_lanes"]  # how the suite's tests share the cores under `make test`'s pytest-xdist
+
 
 @pytest.fixture(autouse=True)
 def _mlflow_tracking_uri_left_as_found():
