@@ -195,6 +195,7 @@ def test_a_torn_checkpoint_is_passed_over_for_the_previous_complete_one(tmp_path
         for rank in range(2):
             shard = ckpt / CKPT_TAG / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
             torch.save({"rank": rank, "w": torch.zeros(1000)}, shard)
+        torch.save({"module": torch.zeros(10)}, ckpt / CKPT_TAG / "mp_rank_00_model_states.pt")  # rank 0's
     assert survey(str(tmp_path), "run", cfg) == (str(run / "checkpoint_2026-11-26_10-02-00.000000"), [])
     newest = run / "checkpoint_2026-11-26_10-02-00.000000" / CKPT_TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     newest.write_bytes(newest.read_bytes()[:-200])  # cut short, as a crash mid-upload leaves it

@@ -126,6 +126,12 @@ class PretrainConfig:
     eval_max_batches: int = 20  # per worker
     checkpoint_every_steps: int = 50
     num_checkpoints_to_keep: int = 2
+    # Training waits for a checkpoint's files to be written to local disk, not for their upload to storage (Ray
+    # Train's asynchronous upload); false = it waits for the upload too. A drain's and the last checkpoint wait.
+    async_checkpoint_upload: bool = True
+    # With compile: torch.compile's cache saved beside every checkpoint and loaded on resume, so workers on a fresh
+    # node do not compile from scratch (jobs/pretrain/checkpointing/compile_cache.py).
+    compile_cache_in_checkpoint: bool = True
     max_failures: int = 3
     # Steps between two looks for a node of the run being drained (a spot notice: jobs/pretrain/drain.py); each look
     # is a barrier of all workers. 0 = never look.

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from bertpipe.jobs.pretrain import drain
+from bertpipe.jobs.pretrain.attempt_clock import attempt_stamp
+from bertpipe.jobs.pretrain.checkpointing.compile_cache import fresh_cache_dir_if_asked
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.data.shared_order import SHARED, sequences_through
 from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch, seed_of
@@ -25,6 +27,7 @@ from bertpipe.jobs.pretrain.engine.build import build_engine, compile_enabled
 from bertpipe.jobs.pretrain.engine.lamb_layout import mapped_layouts
 from bertpipe.jobs.pretrain.evaluation import evaluate_heldout, time_eval_batches
 from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError
+from bertpipe.jobs.pretrain.metrics.restart import RestartClock
 from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, to_device
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import RunLogger
@@ -33,12 +36,18 @@ log = logging.getLogger("bertpipe.pretrain")
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    w = setup(config["spec"])
-    position, history = w.checkpoints.restore()
+    w = setup(config["spec"], time.time())
+    clock = w.metrics.restart  # where this attempt's start goes, to its first step (metrics/restart.py)
+    with clock.part("checkpoint_load"):
+        position, history = w.checkpoints.restore()
+    cache = w.checkpoints.compile_cache
+    if cache is not None:  # read with the checkpoint, but a price of compiling
+        clock.move(cache.load_s, "checkpoint_load", "compile")
     w.metrics.history = history
     w.metrics.attempt_started(position.step, accumulation_of(w, position.phase))  # the driver's attempt watch
     # tells a restart and a resize by it
-    w.data.open_all(position, w.doing)
+    with clock.part("first_batch"):  # (its first micro-batch adds the rest: TrainingMetrics.micro_batch)
+        w.data.open_all(position, w.doing)
     time_eval_batches(w)  # with the streams open: timed as the machine will be during training
     resumed_from = position.step
     try:
@@ -53,7 +62,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     w.metrics.run.flush_metrics()  # the points still buffered, with a bounded wait (mlflow.flush_timeout_s)
 
 
-def setup(spec: WorkerSpec) -> Worker:
+def setup(spec: WorkerSpec, entered_at: float) -> Worker:
+    """The worker's parts; `entered_at`: time.time() when the train function started (its attempt's clock)."""
     import ray.train
     import ray.train.torch
 
@@ -61,12 +71,17 @@ def setup(spec: WorkerSpec) -> Worker:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(cfg.cpus_per_worker)
+    fresh_cache_dir_if_asked()
+    clock = RestartClock(attempt_stamp(), entered_at)
     if rank == 0:  # add(0): a restarted attempt's progress stays where training stood until it resumes
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
-    engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world, spec.init_config)
+    with clock.part("engine_setup"):
+        engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world,
+                                         spec.init_config)
     w = Worker.build(spec, engine, scheduler, rank, world, ray.train.torch.get_device(),
                      RunLogger(spec.tracking, enabled=rank == 0, background=True,  # metrics never wait for MLflow
                                tell=lambda line: spec.progress.add(0, status=line)), local_rank=ctx.get_local_rank())
+    w.metrics.restart = clock
     w.watches_drains = True
     return w
 
@@ -150,9 +165,11 @@ def timed_first_step(w: Worker, batch: dict[str, torch.Tensor], dropout_seed: in
     with w.metrics.aside("compile") as took:  # a one-off: the ETA's step time is the compiled model's
         out = train_step(w, batch, dropout_seed)
     w.compiled = True
-    w.metrics.tell(0, status=f"model compiled in {took.seconds:.0f} s")
+    cached = cache_hits(w.checkpoints.compile_cache)
+    w.metrics.restart.compile_note = cached
+    w.metrics.tell(0, status=f"model compiled in {took.seconds:.0f} s ({cached})")
     if w.rank == 0:
-        log.info("model compiled in %.0f s (first step)", took.seconds)
+        log.info("model compiled in %.1f s (first step; %s)", took.seconds, cached)
     return out
 
 
@@ -192,7 +209,7 @@ def checkpoint_if_drained(w: Worker, position: Position) -> None:
     checked_every, w.drain_checked_at = now - (w.drain_checked_at or now), now
     if info is None:
         return
-    decided = [drain.notice(info, position.step, now, w.metrics.measured.checkpoint_s, checked_every)
+    decided = [drain.notice(info, position.step, now, durable_checkpoint_s(w), checked_every)
                if w.rank == 0 else None]
     dist.broadcast_object_list(decided, src=0)
     if not decided[0].due:
@@ -200,9 +217,25 @@ def checkpoint_if_drained(w: Worker, position: Position) -> None:
     w.metrics.tell(position.step, status=decided[0].line)
     log.info("rank %d: %s", w.rank, decided[0].line)
     if position.step % w.spec.pretrain.checkpoint_every_steps:  # (none just taken at this step)
-        checkpoint_at(w, position)
+        checkpoint_at(w, position, wait_for_upload=True)
     w.doing(f"checkpointed at step {position.step}: waiting for Ray Train to go on without the drained node")
     drain.hold_until_restart(decided[0].hold_until_s)
+
+
+def durable_checkpoint_s(w: Worker) -> float | None:
+    """What the last checkpoint took until it was in storage: its stall and its upload (which an asynchronous
+    upload leaves out of the stall); None before one was measured."""
+    stall = w.metrics.measured.checkpoint_s
+    return None if stall is None else stall + (w.checkpoints.upload_s or 0.0)
+
+
+def cache_hits(cache) -> str:
+    """The first compile's use of inductor's cache: "inductor cache: 6 hits, 0 misses, loaded from the checkpoint"."""
+    from torch._dynamo.utils import counters
+
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    loaded = ", loaded from the checkpoint" if cache is not None and cache.loaded else ""
+    return f"inductor cache: {hits} hit{'s' if hits != 1 else ''}, {misses} miss{'es' if misses != 1 else ''}{loaded}"
 
 
 def evaluate_at(w: Worker, position: Position) -> None:
@@ -215,13 +248,17 @@ def evaluate_at(w: Worker, position: Position) -> None:
     w.metrics.log_evaluation(position.step, held_out)
 
 
-def checkpoint_at(w: Worker, position: Position) -> None:
+def checkpoint_at(w: Worker, position: Position, wait_for_upload: bool = False) -> None:
     """A checkpoint of the engine, the position in the data and the curves so far, reported to Ray Train with the
-    last window's figures."""
+    last window's figures; its upload goes on beside training unless `wait_for_upload` (CheckpointManager.save).
+    What training stood still for it is logged (checkpoint/stall_s)."""
     w.doing(f"saving a checkpoint (step {position.step})")
     with w.metrics.aside("checkpoint") as took:
-        w.checkpoints.save(position, w.metrics.history, {"step": position.step, **w.metrics.last_window})
-    log.info("rank %d: checkpoint at step %d took %.1f s", w.rank, position.step, took.seconds)
+        w.checkpoints.save(position, w.metrics.history, {"step": position.step, **w.metrics.last_window},
+                           wait_for_upload)
+    w.metrics.checkpoint_stall(position.step, took.seconds)
+    log.info("rank %d: checkpoint at step %d stalled training %.2f s%s", w.rank, position.step, took.seconds,
+             "" if wait_for_upload or not w.spec.pretrain.async_checkpoint_upload else " (its upload goes on)")
 
 
 def final_evaluation(w: Worker, position: Position, resumed_from: int) -> dict:
@@ -251,6 +288,6 @@ def save_last_checkpoint(w: Worker, position: Position, final: dict) -> None:
     the workers: no measurement of this run prices that, so the ETA counts none of it and the line says what runs."""
     w.doing("saving the last checkpoint")
     started = time.perf_counter()
-    w.checkpoints.save(position, final["history"][:-1], final)
+    w.checkpoints.save(position, final["history"][:-1], final, wait_for_upload=True)
     log.info("rank %d: last checkpoint took %.1f s", w.rank, time.perf_counter() - started)
     w.metrics.tell(position.step, doing="stopping the workers")

@@ -273,6 +273,7 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
     from ray.data import ExecutionOptions
     from ray.train.torch import TorchTrainer
 
+    from bertpipe.jobs.pretrain.attempt_clock import AttemptClock
     from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer, set_start_timeout
 
     cfg = spec.pretrain
@@ -288,7 +289,8 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
         run_config=ray.train.RunConfig(
             name=spec.run_name, storage_path=spec.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep)),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+            callbacks=[AttemptClock()]),  # when each attempt started, for its restart's breakdown
         datasets=datasets,
         # preserve_order makes the streaming split deterministic (which rows reach which worker, in which
         # order): the precondition for resuming by skipping a known number of batches.

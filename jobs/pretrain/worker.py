@@ -47,7 +47,7 @@ class Worker:
         `local_rank`: its rank on its node."""
         metrics = TrainingMetrics(spec, rank, world, device, run)
         return cls(spec, engine, scheduler, rank, world, device, WorkerData(spec, rank, world, metrics), metrics,
-                   CheckpointManager(spec, engine, rank, world, local_rank))
+                   CheckpointManager(spec, engine, rank, world, local_rank, run))
 
     def doing(self, what: str) -> None:
         """Tell the driver's progress line what the workers are busy with (shown if it takes a while)."""

@@ -46,6 +46,8 @@ TRAIN = "train/"                  # a logging window's training figures: train/l
 OPTIMIZER = "train/optimizer/"    # train/optimizer/lr, train/optimizer/grad_norm
 THROUGHPUT = "train/throughput/"  # speed and feeding, steady windows only (no compile, start-up or phase switch)
 SYSTEM = "system/"                # CPU, memory, GPU: MLflow's own system-metrics monitor
+RESTART = "restart/"              # where a restarted attempt's seconds went, at its first new step (metrics/restart.py)
+CHECKPOINT = "checkpoint/"        # per checkpoint: checkpoint/stall_s (training blocked), checkpoint/upload_s
 # Summary figures (one value per run) carry no prefix and are logged at step 0: bars, after the series.
 # Accuracies, fractions and scores are fractions in [0, 1] everywhere, never percent.
 OPTIMIZER_FIGURES = ("lr", "grad_norm")

@@ -4,6 +4,7 @@ save and load them).
 A checkpoint is DeepSpeed's files (every rank's ZeRO shards) under the tag `ckpt`, plus `position.json`: where in
 the data it was taken (resume.Position) and the layout it was taken with (runs.layout_of), so a resumed worker
 skips exactly what it had consumed, and a checkpoint of another worker count is re-partitioned (repartition.py).
+With compile, rank 0 adds torch.compile's cache artifacts (compile_cache.py), which no completeness check needs.
 Checkpoints live under Ray Train's storage (`<workdir>/ray_results/<run name>` by default), outside the stage
 folder, so rerunning the stage after a crash continues instead of starting over.
 """
@@ -12,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import tempfile
+import time
+from typing import Callable
 
 import pyarrow.fs as pafs
 
@@ -32,11 +34,19 @@ def _complete_step(ckpt: str, cfg: PretrainConfig) -> int | None:
     if step is None:
         return None
     layout = state.get("layout") or {"num_workers": cfg.max_workers, "zero_stage": cfg.zero_stage}
-    if layout["zero_stage"] == 0:
-        needed = ["mp_rank_00_model_states.pt"]
+    return step if all(_whole(storage.join(ckpt, CKPT_TAG, n)) for n in deepspeed_files(layout)) else None
+
+
+def deepspeed_files(layout: dict) -> list[str]:
+    """The DeepSpeed files a checkpoint of `layout` holds: the model's (rank 0's; every rank's under ZeRO-3) and,
+    under ZeRO 1-3, every rank's optimizer partition. An upload cut short can leave out any of them (the
+    asynchronous one goes on while training does)."""
+    ranks, zero = range(layout["num_workers"]), layout["zero_stage"]
+    if zero == 3:
+        models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in ranks]
     else:
-        needed = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(layout["num_workers"])]
-    return step if all(_whole(storage.join(ckpt, CKPT_TAG, n)) for n in needed) else None
+        models = ["mp_rank_00_model_states.pt"]
+    return models + ([f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in ranks] if zero else [])
 
 
 def state_of(ckpt: str) -> dict | None:
@@ -123,13 +133,30 @@ def take_stop_reason(storage_path: str, name: str) -> str:
     return reason
 
 
-def save_and_report(engine, position: dict, metrics: dict) -> None:
-    """Every rank saves its own DeepSpeed files (ZeRO shards differ per rank); Ray merges them into one checkpoint."""
+def report(folder: str, metrics: dict, asynchronous: bool, uploaded: Callable[[float], None]) -> None:
+    """This rank's checkpoint files in the local `folder` (removed once uploaded) reported to Ray Train with
+    `metrics`; Ray merges every rank's into one checkpoint folder and registers it once all are uploaded. With
+    `asynchronous`, Ray Train uploads them in a thread of its own while training goes on (in order, one at a time);
+    otherwise the call returns after the upload. `uploaded(seconds)` gets what the upload took, when it ends."""
     import ray.train
+    from ray.train import CheckpointUploadMode
 
-    with tempfile.TemporaryDirectory() as d:
-        save_dir(engine, d, position)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+    mode = CheckpointUploadMode.ASYNC if asynchronous else CheckpointUploadMode.SYNC
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_upload_mode=mode,
+                     delete_local_checkpoint_after_upload=True, checkpoint_upload_fn=_timed_upload(uploaded))
+
+
+def _timed_upload(uploaded: Callable[[float], None]):
+    """Ray Train's own upload (the copy into the run's storage), timed."""
+    def upload(checkpoint, name: str):
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        started = time.perf_counter()
+        persisted = get_train_context().storage_context.persist_current_checkpoint(checkpoint, name)
+        uploaded(time.perf_counter() - started)
+        return persisted
+
+    return upload
 
 
 def save_dir(engine, d: str, position: dict) -> None:
@@ -140,15 +167,10 @@ def save_dir(engine, d: str, position: dict) -> None:
         json.dump(position, f)
 
 
-def load_checkpoint(engine, checkpoint, now: dict, local_rank: int) -> dict:
-    """Restore engine, optimizer and scheduler state (re-partitioned when the checkpoint was taken on another
-    number of workers under ZeRO 1-3: `now` is this layout); returns the checkpoint's position.json."""
-    with checkpoint.as_directory() as d:
-        return load_dir(engine, d, now, local_rank)
-
-
 def load_dir(engine, d: str, now: dict, local_rank: int) -> dict:
-    """`load` from a local folder (every rank calls it; `local_rank`: its rank on its node)."""
+    """Restore engine, optimizer and scheduler state from the local checkpoint folder `d` (re-partitioned when it
+    was taken on another number of workers under ZeRO 1-3: `now` is this layout; every rank calls it,
+    `local_rank`: its rank on its node); returns the checkpoint's position.json."""
     from bertpipe.jobs.pretrain.checkpointing import repartition
     from bertpipe.jobs.pretrain.checkpointing.resume import repartition_needed
 

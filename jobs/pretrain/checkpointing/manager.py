@@ -9,30 +9,43 @@ rerun resumes (stage.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from bertpipe.jobs.pretrain import runs
 from bertpipe.jobs.pretrain.checkpointing import folders
+from bertpipe.jobs.pretrain.checkpointing.compile_cache import CompileCache
 from bertpipe.jobs.pretrain.checkpointing.export import data_lowercase, write_export
 from bertpipe.jobs.pretrain.checkpointing.resume import Position, position_of, resume_plan
+from bertpipe.jobs.pretrain.engine.build import compile_enabled
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
-from bertpipe.jobs.services.tracking import RunLogger
+from bertpipe.jobs.services.tracking import CHECKPOINT, RunLogger
 from bertpipe.pipeline.framework import storage
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
 
 log = logging.getLogger("bertpipe.pretrain")
+UPLOAD_METRIC = f"{CHECKPOINT}upload_s"  # seconds of a checkpoint's upload to storage, at its step (rank 0's)
 
 
 class CheckpointManager:
-    def __init__(self, spec: WorkerSpec, engine: DeepSpeedEngine, rank: int, world: int, local_rank: int):
-        """`local_rank`: this worker's rank on its node (one rank a node converts a checkpoint of another layout)."""
+    def __init__(self, spec: WorkerSpec, engine: DeepSpeedEngine, rank: int, world: int, local_rank: int,
+                 run: RunLogger | None = None):
+        """`local_rank`: this worker's rank on its node (one rank a node converts a checkpoint of another layout);
+        `run`: where rank 0 logs each upload's seconds."""
         self.spec, self.engine, self.rank, self.world, self.local_rank = spec, engine, rank, world, local_rank
+        self.run = run or RunLogger(None)
+        # torch.compile's cache travels with the checkpoints (compile_cache.py): None when not compiling
+        cfg = spec.pretrain
+        self.compile_cache = CompileCache() if compile_enabled(cfg) and cfg.compile_cache_in_checkpoint else None
+        self.upload_s: float | None = None  # what the last finished upload took (a drain's checkpoint needs it)
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -68,8 +81,12 @@ class CheckpointManager:
 
     def load(self, checkpoint) -> dict[str, Any]:
         """Engine, optimizer and LR scheduler state from a Ray Train checkpoint, re-partitioned when it was taken on
-        another number of workers under ZeRO 1-3; returns its position.json."""
-        return folders.load_checkpoint(self.engine, checkpoint, self.layout, self.local_rank)
+        another number of workers under ZeRO 1-3, and the compile cache it carries; returns its position.json."""
+        with checkpoint.as_directory() as d:
+            state = folders.load_dir(self.engine, d, self.layout, self.local_rank)
+            if self.compile_cache is not None:
+                self.compile_cache.read(d)
+        return state
 
     def resumed_position(self, state: dict[str, Any]) -> Position:
         """Where this worker goes on from a loaded checkpoint's position.json (`state`): where it was taken, or, if
@@ -82,11 +99,30 @@ class CheckpointManager:
                  f", goes on at {goes_on.position}" if goes_on.position != taken else "")
         return goes_on.position
 
-    def save(self, position: Position, history: list[dict[str, float]], reported: dict[str, Any]) -> None:
+    def save(self, position: Position, history: list[dict[str, float]], reported: dict[str, Any],
+             wait_for_upload: bool = False) -> None:
         """A checkpoint of the engine, the position in the data, the layout and the curves so far, reported to Ray
-        Train with the figures `reported` (every rank saves its own files; Ray merges them into one checkpoint)."""
-        folders.save_and_report(self.engine, {**dataclasses.asdict(position), "history": history,
-                                              "layout": self.layout}, reported)
+        Train with the figures `reported` (every rank saves its own files; Ray merges them into one checkpoint).
+        Training waits for the files' copy to local disk; their upload to storage goes on beside it (Ray Train's
+        asynchronous upload, pretrain.async_checkpoint_upload) unless `wait_for_upload` (the last checkpoint, a
+        drain's: nothing is left to overlap, and the upload must end before the node does)."""
+        folder = tempfile.mkdtemp(prefix="bertpipe-checkpoint-")
+        try:
+            folders.save_dir(self.engine, folder, {**dataclasses.asdict(position), "history": history,
+                                                   "layout": self.layout})
+            if self.compile_cache is not None and self.rank == 0:
+                self.compile_cache.write(folder)
+            folders.report(folder, reported, self.spec.pretrain.async_checkpoint_upload and not wait_for_upload,
+                           functools.partial(self._uploaded, position.step))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)  # (once reported, Ray Train removes it after the upload)
+            raise
+
+    def _uploaded(self, step: int, seconds: float) -> None:
+        """Called when Ray Train's upload of the step-`step` checkpoint ended (in its upload thread if
+        asynchronous)."""
+        self.upload_s = seconds
+        self.run.log_metrics({UPLOAD_METRIC: seconds}, step)
 
     def export(self, run: RunLogger) -> None:
         """The model in Hugging Face layout with its tokenizer files, where fine-tuning reads it (and as `run`'s

@@ -10,7 +10,9 @@ it sets aside for an evaluation, a checkpoint or a compile. From these the metri
 - the logging window's figures (meter.py: losses, accuracies, throughput), with evaluations and checkpoints left
   out of its elapsed time, logged to MLflow under the convention's names (tracking.metric_names);
 - the history: every logged window's and every evaluation's figures, the curves the driver draws. A checkpoint
-  saves it, so a resumed run's curves start at step 1 too.
+  saves it, so a resumed run's curves start at step 1 too;
+- where a restarted attempt's start went, closed at its first step (restart.py), and what each checkpoint stalled
+  training (checkpoint/stall_s).
 
 Every time is `time.perf_counter()` on the host (or the `now` given, in tests): nothing here reads the device
 except the logging window, once per window.
@@ -27,10 +29,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from bertpipe.jobs.pretrain.config import ModelConfig, bert_config
-from bertpipe.jobs.pretrain.metrics import eta
+from bertpipe.jobs.pretrain.metrics import eta, restart
 from bertpipe.jobs.pretrain.metrics.meter import TIMED_FIGURES, Meter, NonFiniteError
+from bertpipe.jobs.pretrain.metrics.restart import RestartClock
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
-from bertpipe.jobs.services.tracking import RunLogger, metric_names
+from bertpipe.jobs.services.tracking import CHECKPOINT, RunLogger, metric_names
 
 log = logging.getLogger("bertpipe.pretrain")
 # What the loop may set time aside for; evaluations and checkpoints also leave the logging window's elapsed time
@@ -38,6 +41,7 @@ log = logging.getLogger("bertpipe.pretrain")
 ASIDE = ("compile", "evaluation", "checkpoint")
 # The training figures of a logging window that go into the curves.
 CURVE_KEYS = ("loss", "mlm_loss", "mlm_accuracy", "nsp_accuracy")
+STALL_METRIC = f"{CHECKPOINT}stall_s"  # seconds training stood still for a checkpoint, at its step
 
 
 @dataclass
@@ -59,6 +63,8 @@ class TrainingMetrics:
         self.last_window: dict[str, float] = {}
         self._last_step: float | None = None  # when the last optimizer step ended (or training started)
         self._aside = 0.0  # seconds since then that the ETA prices apart
+        # Where this attempt's start went, to its first step (the worker's set-up gives it its stamp: loop.setup)
+        self.restart = RestartClock(None, 0.0)
 
     def tell(self, step: int, **fields: Any) -> None:
         """Rank 0 tells the driver's progress line (`doing`, a `status` line, the ETA) at optimizer step `step`."""
@@ -106,10 +112,17 @@ class TrainingMetrics:
             self.measured.checkpoint_s = took
         if what != "compile":
             self.meter.pause(took)
+        else:
+            self.restart.add("compile", took)
+
+    def checkpoint_stall(self, step: int, seconds: float) -> None:
+        """Training stood still `seconds` for the step-`step` checkpoint (its files written, its report), logged."""
+        self.run.log_metrics({STALL_METRIC: seconds}, step)
 
     def micro_batch(self, out, attention_mask: torch.Tensor, wait: float) -> None:
         """One micro-batch trained: its figures into the window (`wait`: host seconds spent getting it)."""
         self.meter.add(out, attention_mask, wait)
+        self.restart.batch_ready(wait)
 
     def optimizer_step(self, step: int, phase: int, grad_norm) -> None:
         """Optimizer step `step` (of phase `phase`) ended: its health and its time are kept, and rank 0 reports the
@@ -119,12 +132,25 @@ class TrainingMetrics:
         if self._last_step is not None:
             self.measured.step(phase, max(now - self._last_step - self._aside, 0.0))
         self._last_step, self._aside = now, 0.0
+        self.restart_reached(step)
         if self.rank == 0:
             left = eta.seconds_left(self.schedule, self.measured, step, phase)
             # The last window's figures: reading this step's loss would wait for the device.
             # step_at: the driver's rate counts the global batches of the steps over its window (metrics/rate.py)
             self.tell(step, loss=self.last_window.get("loss"), step_at=[step, time.time()], doing="", eta_s=left,
                       eta_at=time.time())
+
+    def restart_reached(self, step: int) -> None:
+        """At the attempt's first optimizer step, `step`: where its start went (metrics/restart.py), on rank 0 in
+        MLflow and a console line for a restart, in the worker's log for the run's first attempt."""
+        breakdown = self.restart.first_step()
+        if breakdown is None or self.rank != 0:
+            return
+        said = restart.line(breakdown, step, self.restart.stamp.attempt, self.restart.compile_note)
+        log.info("pretrain: %s", said)
+        if self.restart.is_restart:
+            self.run.log_metrics(restart.metric_values(breakdown), step)
+            self.tell(step, status=said)
 
     def log_window(self, step: int, seq_length: int, lr: float, grad_norm) -> dict[str, float]:
         """The window's figures, all-reduced, logged, kept for the curves and returned (`last_window`); the window's

@@ -1,0 +1,216 @@
+"""Restarts in seconds (issue 41 item 3): where a restart's time goes is measured and reported; torch.compile's
+cache travels with the checkpoints, so workers on a fresh node hit it instead of compiling from scratch;
+checkpoints are uploaded while training goes on, and a checkpoint an upload left short of a file is never resumed.
+
+The parts and the checkpoint files on their own first; then the cache across processes (one process, no Ray: a
+fresh inductor cache directory stands for a fresh node); then a real restart on the multi-node rig
+(tests/multinode.py), every worker process compiling into a fresh cache directory of its own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bertpipe.jobs.pretrain.checkpointing import compile_cache
+from bertpipe.jobs.pretrain.checkpointing.folders import CKPT_TAG, STATE_FILE, deepspeed_files, survey
+from bertpipe.jobs.pretrain.config import PretrainConfig
+from bertpipe.jobs.pretrain.metrics import restart
+from bertpipe.jobs.pretrain.attempt_clock import AttemptStamp
+
+HERE = Path(__file__).resolve().parent
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_a_restart_s_parts_close_once_at_its_first_step_and_sum_to_its_total():
+    clock = FakeClock()
+    timing = restart.RestartClock(AttemptStamp(2, started_at=1000.0), entered_at=1004.0, now=clock)
+    with timing.part("engine_setup"):
+        clock.t += 3.0
+    with timing.part("checkpoint_load"):
+        clock.t += 2.0
+    timing.move(0.5, "checkpoint_load", "compile")  # the compile cache, read with the checkpoint
+    with timing.part("first_batch"):
+        clock.t += 1.0
+    timing.batch_ready(0.25)
+    timing.batch_ready(9.0)  # a later micro-batch is no first batch
+    clock.t += 6.0
+    timing.add("compile", 6.0)
+    clock.t += 1.0
+    got = timing.first_step()
+    assert got == {"worker_start": 4.0, "engine_setup": 3.0, "checkpoint_load": 1.5, "compile": 6.5,
+                   "first_batch": 1.25, "total": 17.0}
+    assert timing.first_step() is None and timing.is_restart
+    timing.add("compile", 5.0)  # after the first step nothing moves
+    assert timing.parts["compile"] == 6.5
+    assert set(restart.metric_values(got)) == {"restart/worker_start_s", "restart/engine_setup_s",
+                                              "restart/checkpoint_load_s", "restart/compile_s",
+                                              "restart/first_batch_s", "restart/total_s"}
+    assert restart.line(got, 23, 2, "inductor cache: 4 hits, 0 misses") == (
+        "restart (attempt 2) reached step 23 in 17.0 s: worker start 4.0 s, DeepSpeed set-up 3.0 s, checkpoint load "
+        "1.5 s, compile 6.5 s (inductor cache: 4 hits, 0 misses), first batch 1.2 s, rest 0.8 s")
+    first = restart.RestartClock(AttemptStamp(1, 1000.0), 1001.0, now=clock)
+    assert not first.is_restart and restart.RestartClock(None, 0.0).first_step() is None
+
+
+def test_a_checkpoint_an_upload_left_short_of_any_deepspeed_file_is_torn(tmp_path):
+    import torch
+
+    def layout(workers, zero):
+        return {"num_workers": workers, "micro_batch_sizes": [4], "zero_stage": zero}
+
+    assert deepspeed_files(layout(2, 0)) == ["mp_rank_00_model_states.pt"]
+    assert deepspeed_files(layout(2, 1)) == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                             "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert len(deepspeed_files(layout(2, 3))) == 4 and "zero_pp_rank_1_mp_rank_00_model_states.pt" in \
+        deepspeed_files(layout(2, 3))
+    run = tmp_path / "run"
+    for step, stamp in ((20, "10-00-00"), (40, "10-01-00")):
+        ckpt = run / f"checkpoint_2026-11-27_{stamp}.000000"
+        (ckpt / CKPT_TAG).mkdir(parents=True)
+        (ckpt / STATE_FILE).write_text(json.dumps({"step": step, "layout": layout(2, 1)}))
+        for name in deepspeed_files(layout(2, 1)):
+            torch.save({"w": torch.zeros(100)}, ckpt / CKPT_TAG / name)
+    newest = run / "checkpoint_2026-11-27_10-01-00.000000"
+    assert survey(str(tmp_path), "run", PretrainConfig())[0] == str(newest)
+    (newest / CKPT_TAG / "mp_rank_00_model_states.pt").unlink()  # the model's file not uploaded yet
+    assert survey(str(tmp_path), "run", PretrainConfig()) == (str(run / "checkpoint_2026-11-27_10-00-00.000000"),
+                                                             [str(newest)])
+
+
+# One process compiles and saves the artifacts beside a checkpoint; a second, with a fresh empty inductor cache
+# directory (a fresh node), loads them and compiles: every inductor graph is a cache hit. Processes of their own:
+# dynamo's and inductor's in-memory caches cannot be emptied reliably within one.
+COMPILE_AND_SAVE = """
+import json, os, sys, time
+sys.path.insert(0, {tests!r})
+import torch
+from torch._dynamo.utils import counters
+import engine_helpers as eh
+from test_step_path import config, train
+from bertpipe.jobs.pretrain.checkpointing.compile_cache import CompileCache
+torch.set_num_threads(1)
+cache = CompileCache()
+if {load!r}:
+    cache.read({folder!r})
+cfg = config(compile=True, max_steps=2, log_every_steps=2)
+with eh.process_group():
+    w = eh.worker(cfg)
+    started = time.perf_counter()
+    train(w, cfg, eh.raw_batches(8, 4, 32))
+    seconds = time.perf_counter() - started + cache.load_s
+wrote = cache.write({folder!r}) if not {load!r} else None
+inductor = counters["inductor"]
+print(json.dumps({{"hits": inductor["fxgraph_cache_hit"], "misses": inductor["fxgraph_cache_miss"],
+                  "loaded": cache.loaded, "wrote": wrote, "loss": w.metrics.history[-1]["loss"], "s": seconds}}))
+"""
+
+
+def compile_in_a_fresh_process(folder: Path, load: bool, cache_dir: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(HERE)}
+    done = subprocess.run([sys.executable, "-c", COMPILE_AND_SAVE.format(tests=str(HERE), load=load,
+                                                                        folder=str(folder))],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_compile_cache_beside_a_checkpoint_makes_a_fresh_node_hit_instead_of_compiling(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    cold = compile_in_a_fresh_process(checkpoint, load=False, cache_dir=tmp_path / "node-a")
+    assert cold["wrote"] and cold["misses"] > 0 and cold["hits"] == 0
+    assert (checkpoint / compile_cache.CACHE_FILE).stat().st_size > 0
+    warm = compile_in_a_fresh_process(checkpoint, load=True, cache_dir=tmp_path / "node-b")
+    assert warm["loaded"] and warm["hits"] == cold["misses"] and warm["misses"] == 0, (cold, warm)
+    assert warm["loss"] == cold["loss"]
+    print(f"\ncompile and 2 steps (s): cold {cold['s']:.1f}, warm {warm['s']:.1f} (the cache's load included)")
+    # A file cut short (an upload torn by a crash) is passed over: the model compiles from scratch.
+    blob = (checkpoint / compile_cache.CACHE_FILE).read_bytes()
+    (checkpoint / compile_cache.CACHE_FILE).write_bytes(blob[: len(blob) // 2])
+    torn = compile_in_a_fresh_process(checkpoint, load=True, cache_dir=tmp_path / "node-c")
+    assert not torn["loaded"] and torn["misses"] == cold["misses"] and torn["loss"] == cold["loss"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# A real restart on the multi-node rig
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    from pretrain_helpers import make_inputs
+
+    root = tmp_path_factory.mktemp("restart-inputs")
+    make_inputs(root, lengths=(32,), rows_per_shard=400, num_shards=2, heldout_rows=160)
+    (root / "pairs" / "_MANIFEST.json").unlink()  # shards from anywhere: no manifest of ours
+    return root
+
+
+def series(tmp_path, name: str) -> list[tuple[int, float]]:
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}")
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    return sorted((p.step, p.value) for r in runs for p in client.get_metric_history(r.info.run_id, name))
+
+
+RESTARTED = (r"pretrain: restart \(attempt 2\) reached step (\d+) in ([\d.]+) s: worker start [\d.]+ s, DeepSpeed "
+             r"set-up [\d.]+ s, checkpoint load [\d.]+ s, compile ([\d.]+) s \(inductor cache: (\d+) hits?, 0 misses, "
+             r"loaded from the checkpoint\), first batch [\d.]+ s, rest [\d.]+ s$")
+
+
+@pytest.mark.integration
+def test_a_restart_on_fresh_nodes_loads_the_compile_cache_and_says_where_its_time_went(inputs, tmp_path, monkeypatch):
+    """Two compiled workers on two of three 1-CPU nodes, each worker process with an empty inductor cache directory
+    of its own (a fresh node: tests/multinode.py's nodes share this machine's disk); the node of one is killed once
+    a checkpoint is registered. The restarted workers load the cache the checkpoint carries and every inductor
+    graph of their first step is a hit; rank 0 says where the restart's time went, and MLflow has the parts, each
+    checkpoint's stall and upload."""
+    from multinode import MultiNodeRay
+    from test_multinode import Watched, _a_checkpoint_is_registered, pretrain_args
+    from waiting import wait_until
+
+    monkeypatch.setenv(compile_cache.FRESH_CACHE_ENV, str(tmp_path / "inductor"))  # the rig's nodes inherit it
+    with MultiNodeRay(head_cpus=1, node_cpus=(1, 1, 1)) as rig:
+        run = Watched(pretrain_args(inputs, "--set", f"ray.address={rig.address}", "--set", "pretrain.max_steps=40",
+                                    "--set", "pretrain.compile=true", "--set", "pretrain.checkpoint_every_steps=10",
+                                    "--set", "pretrain.max_failures=3", "--set", "pretrain.log_every_steps=2",
+                                    mlflow=True), tmp_path)
+        wait_until(lambda: _a_checkpoint_is_registered(tmp_path / "w" / "ray_results"), "a registered checkpoint",
+                   still_running=lambda: run.proc.poll() is None, why_stopped=run.text, poll_s=0.2)
+        rig.kill_train_node()
+        code = run.finish(300)
+    console = run.text()
+    assert code == 0, console
+    print("\n".join(line for line in console.splitlines() if "pretrain:" in line))
+    cold = [m for m in (re.search(r"model compiled in \d+ s \(inductor cache: 0 hits, (\d+) misses\)$", line)
+                        for line in console.splitlines()) if m]
+    restarted = [m for m in (re.search(RESTARTED, line) for line in console.splitlines()) if m]
+    assert len(cold) == 1 and len(restarted) == 1, console
+    assert int(restarted[0].group(4)) == int(cold[0].group(1))  # the first attempt's every graph, now a hit
+    first_step = int(restarted[0].group(1))
+    parts = {name: series(tmp_path, name) for name in restart.RESTART_METRICS.values()}
+    assert all(len(points) == 1 and points[0][0] == first_step and points[0][1] >= 0
+               for points in parts.values()), parts
+    total = parts["restart/total_s"][0][1]
+    assert sum(points[0][1] for name, points in parts.items() if name != "restart/total_s") <= total + 1e-6
+    assert parts["restart/compile_s"][0][1] > 0
+    checkpoints = sorted(p for p in (tmp_path / "w" / "ray_results").rglob("checkpoint_*") if p.is_dir())
+    assert checkpoints and all((c / compile_cache.CACHE_FILE).is_file() for c in checkpoints)
+    stalls, uploads = series(tmp_path, "checkpoint/stall_s"), series(tmp_path, "checkpoint/upload_s")
+    assert {s for s, _ in stalls} == {10, 20, 30} and all(v > 0 for _, v in stalls), stalls
+    assert {10, 20, 30, 40} <= {s for s, _ in uploads} and all(v > 0 for _, v in uploads), uploads
+    print(f"\nrestart breakdown (s): {({k.split('/')[1]: round(v[0][1], 2) for k, v in parts.items()})}; "
+          f"stalls {[round(v, 3) for _, v in stalls]}, uploads {[round(v, 3) for _, v in uploads]}")
