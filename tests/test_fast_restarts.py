@@ -172,6 +172,7 @@ RESTARTED = (r"pretrain: restart \(attempt 2\) reached step (\d+) in ([\d.]+) s:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # two cold compiles on two shared cores, the restart, a compile of the final evaluation: ~3-4 min
 def test_a_restart_on_fresh_nodes_loads_the_compile_cache_and_says_where_its_time_went(inputs, tmp_path, monkeypatch):
     """Two compiled workers on two of three 1-CPU nodes, each worker process with an empty inductor cache directory
     of its own (a fresh node: tests/multinode.py's nodes share this machine's disk); the node of one is killed once
@@ -208,9 +209,21 @@ def test_a_restart_on_fresh_nodes_loads_the_compile_cache_and_says_where_its_tim
     assert sum(points[0][1] for name, points in parts.items() if name != "restart/total_s") <= total + 1e-6
     assert parts["restart/compile_s"][0][1] > 0
     checkpoints = sorted(p for p in (tmp_path / "w" / "ray_results").rglob("checkpoint_*") if p.is_dir())
-    assert checkpoints and all((c / compile_cache.CACHE_FILE).is_file() for c in checkpoints)
+    # (the last one, uploaded before the run ended, and the one before it: an upload the kill cut may lack it)
+    assert len(checkpoints) >= 2 and (checkpoints[-1] / compile_cache.CACHE_FILE).is_file() \
+        and sum((c / compile_cache.CACHE_FILE).is_file() for c in checkpoints) >= 2, checkpoints
     stalls, uploads = series(tmp_path, "checkpoint/stall_s"), series(tmp_path, "checkpoint/upload_s")
     assert {s for s, _ in stalls} == {10, 20, 30} and all(v > 0 for _, v in stalls), stalls
     assert {10, 20, 30, 40} <= {s for s, _ in uploads} and all(v > 0 for _, v in uploads), uploads
     print(f"\nrestart breakdown (s): {({k.split('/')[1]: round(v[0][1], 2) for k, v in parts.items()})}; "
           f"stalls {[round(v, 3) for _, v in stalls]}, uploads {[round(v, 3) for _, v in uploads]}")
+
+
+def test_how_checkpoints_upload_and_carry_the_compile_cache_is_layout_not_the_run_s_identity():
+    from bertpipe.jobs.pretrain import runs
+    from bertpipe.jobs.pretrain.config import ModelConfig
+
+    def name(**pretrain):
+        return runs.base_name(runs.identity({"model": ModelConfig(), "pretrain": PretrainConfig(**pretrain)}, 7, {}))
+
+    assert name() == name(async_checkpoint_upload=False) == name(compile_cache_in_checkpoint=False)

@@ -67,6 +67,7 @@ class CompileCache:
 
     def __init__(self) -> None:
         self._blob: bytes | None = None  # the last serialized (PyTorch's serialization appends: it holds all)
+        self._zipped: tuple[tuple, bytes] | None = None  # (what it holds, the zip): made again when that changes
         self.loaded = False  # this attempt started from a checkpoint's cache
         self.load_s = 0.0  # what reading and loading it took
 
@@ -84,12 +85,16 @@ class CompileCache:
         blob = self.artifacts()
         if not blob:
             return False
-        payload = io.BytesIO()
-        with zipfile.ZipFile(payload, "w", zipfile.ZIP_STORED) as z:  # (.so files and pickles barely compress)
-            z.writestr(ARTIFACTS, blob)
-            for rel, path in sorted(_loaded_kernels().items()):
-                z.write(path, f"{KERNELS}/{rel}")
-        body = payload.getvalue()
+        kernels = sorted(_loaded_kernels().items())
+        holds = (len(blob), hashlib.sha256(blob).digest(), tuple(rel for rel, _ in kernels))
+        if self._zipped is None or self._zipped[0] != holds:
+            payload = io.BytesIO()
+            with zipfile.ZipFile(payload, "w", zipfile.ZIP_STORED) as z:  # (.so files and pickles barely compress)
+                z.writestr(ARTIFACTS, blob)
+                for rel, path in kernels:
+                    z.write(path, f"{KERNELS}/{rel}")
+            self._zipped = (holds, payload.getvalue())
+        body = self._zipped[1]
         header = MAGIC + torch.__version__.encode() + b"\n" + hashlib.sha256(body).hexdigest().encode() + b"\n"
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{CACHE_FILE}.")
         with os.fdopen(fd, "wb") as f:
