@@ -9,7 +9,8 @@ load_cache_artifacts puts them into the local caches, so the next compile of the
 is a cache hit. On a CPU the graphs' C++ kernels are not in it: a hit still builds each one with the C++ compiler,
 which is most of a CPU compile (measured: 33 s of 35 for the tiny model), so the kernels this process loaded go
 along (`*.so`, by their place in the cache directory: inductor builds a kernel only when its file is missing; the
-file's name hashes its source and compiler command, so a node of another build never picks up a foreign one).
+file's name hashes its source and compiler command, so a node of another build never picks up a foreign one). The
+kernels are native code loaded as they come: the checkpoints' storage is trusted as it is for their pickles.
 
 Rank 0 writes both into every checkpoint it saves (CACHE_FILE, a zip: every rank compiles the same graphs), the
 artifacts serialized again only when the process compiled (or hit its cache) since; every worker of a resumed
