@@ -46,6 +46,7 @@ TRAIN = "train/"                  # a logging window's training figures: train/l
 OPTIMIZER = "train/optimizer/"    # train/optimizer/lr, train/optimizer/grad_norm
 THROUGHPUT = "train/throughput/"  # speed and feeding, steady windows only (no compile, start-up or phase switch)
 SYSTEM = "system/"                # CPU, memory, GPU: MLflow's own system-metrics monitor
+# Per event, at its step (names benchmarks/bench_chaos.py reads; MLflow's UI sorts both sections before train/):
 RESTART = "restart/"              # where a restarted attempt's seconds went, at its first new step (metrics/restart.py)
 CHECKPOINT = "checkpoint/"        # per checkpoint: checkpoint/stall_s (training blocked), checkpoint/upload_s
 # Summary figures (one value per run) carry no prefix and are logged at step 0: bars, after the series.
@@ -80,7 +81,9 @@ EXPERIMENT_DESCRIPTION = unwrap("""
 * Below it one **stage run** per stage, named by the stage: params = the stage's config, its manifest as an
   artifact. Fine-tuning nests a run per task and per trial.
 * Metric sections: `eval/` held-out figures, `train/` training figures per logging window, `train/optimizer/`,
-  `train/throughput/` (steady windows only), `system/`; figures without a prefix are one value per run (bars).
+  `train/throughput/` (steady windows only), `system/`; `checkpoint/` what each checkpoint stalled training and
+  its upload took, `restart/` where each restart's seconds went; figures without a prefix are one value per run
+  (bars).
   Accuracies and GLUE scores are fractions in [0, 1] (summary.md gives GLUE scores in percent).
 * The pre-trained model is registered as `bertpipe-<config>`; the alias `newest` is its latest version.
 """)
