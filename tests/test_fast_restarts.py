@@ -227,3 +227,28 @@ def test_how_checkpoints_upload_and_carry_the_compile_cache_is_layout_not_the_ru
         return runs.base_name(runs.identity({"model": ModelConfig(), "pretrain": PretrainConfig(**pretrain)}, 7, {}))
 
     assert name() == name(async_checkpoint_upload=False) == name(compile_cache_in_checkpoint=False)
+
+
+def test_the_compile_cache_file_carries_the_kernels_to_their_place_and_refuses_a_damaged_one(tmp_path, monkeypatch):
+    """The file's mechanics, without a compile: the kernels land where inductor looks for them in another cache
+    directory, and a file cut short, or of artifacts PyTorch cannot read, loads nothing."""
+    node_a, node_b, checkpoint = tmp_path / "a", tmp_path / "b", tmp_path / "checkpoint"
+    kernel = node_a / "ns" / "cnsn75kernel.main.so"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"\x7fELF a built kernel")
+    checkpoint.mkdir()
+    monkeypatch.setattr(compile_cache, "_loaded_kernels", lambda: {"ns/cnsn75kernel.main.so": str(kernel)})
+    cache = compile_cache.CompileCache()
+    monkeypatch.setattr(cache, "artifacts", lambda: b"not PyTorch's artifacts")
+    assert cache.write(str(checkpoint)) and (checkpoint / compile_cache.CACHE_FILE).is_file()
+    assert not list(checkpoint.glob(".*"))  # (written under a temporary name, then renamed)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node_b))
+    other = compile_cache.CompileCache()
+    assert not other.read(str(checkpoint))  # PyTorch cannot read those artifacts: nothing counts as loaded
+    assert (node_b / "ns" / "cnsn75kernel.main.so").read_bytes() == kernel.read_bytes()
+    blob = (checkpoint / compile_cache.CACHE_FILE).read_bytes()
+    (checkpoint / compile_cache.CACHE_FILE).write_bytes(blob[:-10])
+    (node_b / "ns" / "cnsn75kernel.main.so").unlink()
+    assert not compile_cache.CompileCache().read(str(checkpoint))
+    assert not (node_b / "ns" / "cnsn75kernel.main.so").exists()  # a damaged file puts nothing in place
+    assert not compile_cache.CompileCache().read(str(tmp_path / "no-checkpoint-here"))

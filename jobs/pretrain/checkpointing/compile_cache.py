@@ -119,7 +119,8 @@ class CompileCache:
                 with zipfile.ZipFile(io.BytesIO(body)) as z:
                     _unpack_kernels(z, cache_dir())
                     blob = z.read(ARTIFACTS)
-                torch.compiler.load_cache_artifacts(blob)
+                if torch.compiler.load_cache_artifacts(blob) is None:  # (PyTorch logs why it could not)
+                    raise ValueError("PyTorch could not read its artifacts")
                 self._blob, self.loaded = blob, True  # what a checkpoint saved before this process compiles carries
         except Exception as exc:  # noqa: BLE001 - a cache that cannot be loaded costs a compile, never the run
             log.info("the checkpoint's compile cache could not be loaded (%s): compiling from scratch", exc)
