@@ -121,39 +121,36 @@ def largest_gap(a: dict[int, float], b: dict[int, float]) -> tuple[int, float] |
 
 def restarts(resizes: list[dict], events: list[dict], points: list[tuple[float, int]],
              parts: dict[str, list[tuple[float, int, float]]]) -> list[dict]:
-    """Each restart's latency split into its parts. A loss: from the kill (the bench's, matched in order) to the
-    first step past the one reached, as detection (kill → the cluster declares the node dead), restart (→ the
-    new attempt's first step), redo (→ the first new step). A grow: from the node's join, and the stall (training
-    made no new step) from the last old step. `parts`: the workers' restart/* series, matched by time."""
+    """Each restart's latency split into its parts, in seconds after its cause: a loss from the kill (the bench's,
+    matched in order), a grow from the node's join. Up to the first step past the one reached: the cluster
+    declaring the node dead (detection), the new attempt's first step (attempt), and the steps redone after it
+    (redo); a grow's stall runs from the last step of the old attempt. `parts`: the workers' restart/* series,
+    matched by time: restart/total_s ends at the attempt's first step and starts when Ray Train started the group."""
     kills = [e for e in events if e["kind"] == "kill"]
     joins = [e for e in events if e["kind"] == "join"]
     used: set[float] = set()
     rows = []
     for r in resizes:
         row = {"kind": r["kind"], "reached": r["reached"], "resumed": r["resumed"], "workers": r["workers"],
-               "line": r["line"]}
+               "line": r["line"], "redone_steps": r["reached"] - r["resumed"]}
         if r["kind"] in ("lost", "failed") and kills:
             kill = kills.pop(0)
             since, row["detection_s"] = kill["at"], _minus(kill.get("detected_at"), kill["at"])
-            resumed_at = first_point(points, kill.get("detected_at") or kill["at"], at_most=r["reached"])
-            if r["resumed"] >= r["reached"]:  # nothing to redo: the first step of the attempt is a new one
-                resumed_at = first_point(points, kill.get("detected_at") or kill["at"], r["reached"])
-            row["restart_s"] = _minus(resumed_at, kill.get("detected_at") or kill["at"])
-        else:  # a grow: told as the new attempt began; the old one stopped after the last step it showed
+            # the first step shown after the loss was seen; one past `reached`: the redo took less than a poll
+            seen = kill.get("detected_at") or kill["at"]
+            resumed_at = first_point(points, seen, at_most=r["reached"]) or first_point(points, seen)
+        else:  # a grow: told as the new attempt began
             join = max((j for j in joins if j["at"] < r["at"]), key=lambda j: j["at"], default=None)
             since = join["at"] if join else r["at"]
             resumed_at = first_point(points, r["at"])
             stopped = [at for at, _ in points if resumed_at is not None and at < resumed_at]
-            row["restart_s"] = _minus(resumed_at, stopped[-1] if stopped else None)
+            row["stall_start"] = stopped[-1] if stopped else None
         new_step = first_point(points, since, r["reached"])
-        row["latency_s"] = _minus(new_step, since)
-        row["redo_s"] = _minus(new_step, resumed_at) if r["resumed"] < r["reached"] else 0.0
+        row["latency_s"], row["attempt_s"] = _minus(new_step, since), _minus(resumed_at, since)
+        row["redo_s"] = _minus(new_step, resumed_at)
         if r["kind"] == "grew":
-            row["stall_s"] = _minus(new_step, stopped[-1] if stopped else None)
-        row["redone_steps"] = r["reached"] - r["resumed"]
-        # the workers' own split: the first restart/total_s logged after the attempt began (its first step)
-        totals = [p for p in parts.get("total_s", []) if p[0] not in used and p[0] >= since
-                  and p[1] > r["resumed"]]
+            row["stall_s"] = _minus(new_step, row.pop("stall_start"))
+        totals = [p for p in parts.get("total_s", []) if p[0] not in used and p[0] >= since and p[1] > r["resumed"]]
         if totals:
             first = min(totals)
             used.add(first[0])
@@ -313,24 +310,19 @@ def summary_table(base: dict, chaos: dict, noise: dict | None, label: str) -> st
 
 
 def restart_table(chaos: dict) -> str:
-    """One row per restart: its latency and where it went (Markdown)."""
-    have_parts = any(r.get("worker_total_s") is not None for r in chaos["restarts"])
-    # restart/total_s runs from Ray Train starting the new group: the rest of "restart" is before that (the old
-    # group's end, the elastic policy waiting for room)
-    worker_cols = [*(f"workers: {p[:-2].replace('_', ' ')}" for p in RESTART_PARTS), "before the new group"] \
-        if have_parts else ["workers' restart/* split"]
-    head = ["restart", "steps redone", "loss (kill) or join → first new step, s", "detection, s",
-            "restart (→ the new attempt's first step), s", "redo, s", *worker_cols]
+    """One row per restart: its latency and where it went, seconds after the loss or the join (Markdown)."""
+    head = ["restart", "steps redone", "loss (kill) or join → first new step", "node declared dead",
+            "new worker group started", "the attempt's first step", "of which: worker start", "DeepSpeed set-up",
+            "checkpoint load", "compile", "first batch", "then redo to the first new step"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in chaos["restarts"]:
-        what = (f"{'lost' if r['kind'] != 'grew' else 'grew'} at step {r['reached']} → {r['workers'] or '='} "
-                f"workers from step {r['resumed']}")
+        what = (f"{'lost' if r['kind'] != 'grew' else 'grew'} at step {r['reached']} → "
+                f"{r['workers'] or 'as many'} workers from step {r['resumed']}")
         latency = _s(r["latency_s"]) if r["kind"] != "grew" else \
             f"{_s(r['latency_s'])} (stall {_s(r.get('stall_s'))})"
-        cells = [what, str(r["redone_steps"]), latency, _s(r.get("detection_s")), _s(r.get("restart_s")),
-                 _s(r.get("redo_s"))]
-        cells += [*(_s(r.get(f"worker_{p}")) for p in RESTART_PARTS),
-                  _s(_minus(r.get("restart_s"), r.get("worker_total_s")))] if have_parts else ["–"]
+        cells = [what, str(r["redone_steps"]), latency, _s(r.get("detection_s")),
+                 _s(_minus(r.get("attempt_s"), r.get("worker_total_s"))), _s(r.get("attempt_s")),
+                 *(_s(r.get(f"worker_{p}")) for p in RESTART_PARTS[:-1]), _s(r.get("redo_s"))]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

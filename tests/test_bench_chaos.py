@@ -53,17 +53,25 @@ def test_a_restart_of_the_same_size_is_read_too():
         ("failed", 31, 30, None)]
 
 
-def test_a_loss_is_split_into_detection_restart_and_redo():
+def test_a_loss_is_split_into_detection_attempt_and_redo():
     points = bc.progress_points(LOG)
     lost, grew = bc.restarts(bc.resize_lines(LOG), EVENTS, points, {})
     assert round(lost["latency_s"], 3) == 34 - 4.5  # kill → step 26, the first past 25
     assert round(lost["detection_s"], 3) == 15
-    assert round(lost["restart_s"], 3) == 31 - 19.5  # → the new attempt's first step (21)
+    assert round(lost["attempt_s"], 3) == 31 - 4.5  # → the new attempt's first step (21)
     assert round(lost["redo_s"], 3) == 3  # steps 21-25 again
     assert lost["redone_steps"] == 5
     assert round(grew["latency_s"], 3) == 47 - 36  # the join → step 42
     assert round(grew["stall_s"], 3) == 47 - 40  # step 40 (the last before) shown at 40 s
-    assert round(grew["restart_s"], 3) == 7 and grew["redo_s"] == 0  # step 41 was never shown: nothing to redo
+    assert round(grew["attempt_s"], 3) == 47 - 36 and grew["redo_s"] == 0  # step 41 never shown: nothing to redo
+
+
+def test_a_redo_shorter_than_a_poll_is_no_redo():
+    log = [progress(1, 1), progress(4, 25), progress(30, 27),
+           at(29.0, "bertpipe.pretrain: pretrain: a worker node (192.0.2.2, 1 CPUs) was lost at step 25; "
+                    "restarted from the step-24 checkpoint, attempt 2 of 4")]
+    (lost,) = bc.restarts(bc.resize_lines(log), EVENTS[:1], bc.progress_points(log), {})
+    assert (round(lost["attempt_s"], 3), lost["redo_s"], lost["redone_steps"]) == (25.5, 0, 1)
 
 
 def test_the_workers_restart_metrics_go_to_their_restart():
@@ -72,8 +80,9 @@ def test_the_workers_restart_metrics_go_to_their_restart():
     assert (lost["worker_total_s"], lost["worker_compile_s"]) == (8.0, 0.5)
     assert (grew["worker_total_s"], grew["worker_compile_s"]) == (5.0, None)
     rows = bc.restart_table({"restarts": [lost, grew]}).splitlines()
-    assert rows[0].endswith("| workers: first batch | workers: total | before the new group |")
-    assert rows[2].endswith("| – | 0.5 | – | 8.0 | 3.5 |")  # restart 11.5 s, 8 of them from the group's start
+    # the group started 26.5 - 8 s after the kill; the attempt's first step 26.5 s after it
+    assert rows[2] == ("| lost at step 25 → 2 workers from step 20 | 5 | 29.5 | 15.0 | 18.5 | 26.5 | – | – | – | 0.5 "
+                       "| – | 3.0 |")
 
 
 def test_a_step_logged_again_keeps_its_last_value_and_the_gap_is_at_equal_steps():
@@ -98,5 +107,6 @@ def test_the_table_shows_a_dash_for_what_is_absent():
     assert "| largest loss difference at equal steps (vs undisturbed) | 0 | 0.500 (step 4) |" in table
     assert "| checkpoint stall, mean / max s (`checkpoint/stall_s`) | – | – |" in table
     rows = bc.restart_table(chaos).splitlines()
-    assert rows[2].startswith("| lost at step 25 → 2 workers from step 20 | 5 | 29.5 | 15.0 | 11.5 | 3.0 | –")
-    assert rows[3].startswith("| grew at step 41 → 3 workers from step 40 | 1 | 11.0 (stall 7.0) | – |")
+    assert rows[2] == ("| lost at step 25 → 2 workers from step 20 | 5 | 29.5 | 15.0 | – | 26.5 | – | – | – | – | – "
+                       "| 3.0 |")
+    assert rows[3].startswith("| grew at step 41 → 3 workers from step 40 | 1 | 11.0 (stall 7.0) | – | – | 11.0 |")
