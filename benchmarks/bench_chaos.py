@@ -300,11 +300,10 @@ def summary_table(base: dict, chaos: dict, noise: dict | None, label: str) -> st
              " → ".join(map(str, chaos["world_sizes"]))),
             ("checkpoint stall, mean / max s (`checkpoint/stall_s`)", _stalls(base), _stalls(chaos)),
             ("final loss (last logged window)", _s(_final(base), "{:.3f}"), _s(_final(chaos), "{:.3f}")),
-            ("largest loss difference at equal steps (vs undisturbed)", "0",
-             "–" if gap is None else f"{gap[1]:.3f} (step {gap[0]})")]
-    if noise_gap is not None:
-        rows.append((f"run-to-run noise: undisturbed on {noise['workers']} workers vs undisturbed", "",
-                     f"{noise_gap[1]:.3f} (step {noise_gap[0]})"))
+            ("largest loss difference at equal steps (vs undisturbed)", "0", _gap(gap, len(base_loss)))]
+    if noise_gap is not None:  # the same run on another fixed worker count: the same math in another float order
+        rows.append((f"the noise: undisturbed on {noise['workers']} workers vs undisturbed", "",
+                     _gap(noise_gap, len(base_loss))))
     head = f"| | undisturbed | {label} |\n|---|---|---|\n"
     return head + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
 
@@ -325,6 +324,12 @@ def restart_table(chaos: dict) -> str:
                  *(_s(r.get(f"worker_{p}")) for p in RESTART_PARTS[:-1]), _s(r.get("redo_s"))]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def _gap(gap: tuple[int, float] | None, steps: int) -> str:
+    if gap is None:
+        return "–"
+    return f"{gap[1]:.3f} (step {gap[0]})" if gap[1] else f"0 (identical at all {steps} logged steps)"
 
 
 def _stalls(run: dict) -> str:
@@ -349,6 +354,17 @@ def code_state() -> str:
 
 # ------------------------------------------------------------------------------------------------------- main
 
+def report(a: dict, base: dict, noise: dict | None, chaos: dict) -> str:
+    """The tables and the console lines of the disturbed run; `a`: the bench's arguments."""
+    back = "never back" if a["rejoin_after"] is None else f"a node back after {a['rejoin_after']:g} s"
+    label = f"a node killed every {a['kill_every']:g} s ({a['kills']}×), {back}"
+    return (f"tiny preset, {a['steps']} steps of {GLOBAL} sequences (seq 32), pretrain.num_workers={a['workers']}, "
+            f"{a['nodes']} 1-CPU nodes, checkpoint every {a['checkpoint_every']} steps, elastic_resize_check_s "
+            f"{a['resize_check_s']:g}; Ray's node health checks at their defaults ({HEALTH_CHECKS})\n\n"
+            + summary_table(base, chaos, noise, label) + "\n\n" + restart_table(chaos)
+            + "\n\nconsole lines:\n" + "\n".join(f"    {line}" for line in chaos["console"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -365,7 +381,12 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="take the undisturbed run (and noise) from this --json file")
     ap.add_argument("--timeout", type=float, default=1500, help="seconds a run may take")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--show", type=Path, help="print the tables of this --json file again; run nothing")
     args = ap.parse_args()
+    if args.show:
+        saved = json.loads(args.show.read_text())
+        print(report(saved["args"], saved["undisturbed"], saved.get("noise"), saved["chaos"]))
+        return
     args.rejoin_after = None if args.rejoin_after == "never" else float(args.rejoin_after)
     code = code_state()  # as the runs start: the working tree may change while they run
 
@@ -385,13 +406,7 @@ def main() -> None:
                      if args.noise_workers else None)
         chaos = run_once(root / "inputs", root / "chaos", args, True, args.workers)
 
-    back = "never back" if args.rejoin_after is None else f"a node back after {args.rejoin_after:g} s"
-    label = f"a node killed every {args.kill_every:g} s ({args.kills}×), {back}"
-    text = (f"tiny preset, {args.steps} steps of {GLOBAL} sequences (seq 32), pretrain.num_workers={args.workers}, "
-            f"{args.nodes} 1-CPU nodes, checkpoint every {args.checkpoint_every} steps, elastic_resize_check_s "
-            f"{args.resize_check_s:g}; Ray's node health checks at their defaults ({HEALTH_CHECKS})\n\n"
-            + summary_table(base, chaos, noise, label) + "\n\n" + restart_table(chaos)
-            + "\n\nconsole lines:\n" + "\n".join(f"    {line}" for line in chaos["console"]))
+    text = report(vars(args), base, noise, chaos)
     print(text)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
