@@ -137,11 +137,7 @@ def test_the_compile_cache_beside_a_checkpoint_makes_a_fresh_node_hit_instead_of
     assert warm["loaded"] and warm["hits"] == cold["misses"] and warm["misses"] == 0, (cold, warm)
     assert warm["loss"] == cold["loss"]
     print(f"\ncompile and 2 steps (s): cold {cold['s']:.1f}, warm {warm['s']:.1f} (the cache's load included)")
-    # A file cut short (an upload torn by a crash) is passed over: the model compiles from scratch.
-    blob = (checkpoint / compile_cache.CACHE_FILE).read_bytes()
-    (checkpoint / compile_cache.CACHE_FILE).write_bytes(blob[: len(blob) // 2])
-    torn = compile_in_a_fresh_process(checkpoint, load=True, cache_dir=tmp_path / "node-c")
-    assert not torn["loaded"] and torn["misses"] == cold["misses"] and torn["loss"] == cold["loss"]
+    # (a damaged file loads nothing: test_the_compile_cache_file_carries_the_kernels_..., without a third compile)
 
 
 # ------------------------------------------------------------------------------------------------------------------
