@@ -138,7 +138,7 @@ def test_the_compile_cache_beside_a_checkpoint_makes_a_fresh_node_hit_instead_of
     # static graph, then again with a dynamic length when the next batch's length differs; the artifacts carry
     # that profile, so the warm process compiles the dynamic graph at once.)
     assert warm["loaded"] and warm["hits"] > 0 and warm["misses"] == 0, (cold, warm)
-    assert warm["loss"] == cold["loss"]
+    assert warm["loss"] == pytest.approx(cold["loss"], rel=1e-3)  # (static and dynamic kernels may round apart)
     print(f"\ncompile and 2 steps (s): cold {cold['s']:.1f}, warm {warm['s']:.1f} (the cache's load included)")
     # (a damaged file loads nothing: test_the_compile_cache_file_carries_the_kernels_..., without a third compile)
 
