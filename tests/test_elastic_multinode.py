@@ -21,7 +21,7 @@ from test_faults import BIN, cli_env
 from test_multinode import Watched, _a_checkpoint_is_registered, pretrain_args
 from waiting import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.rig]
 
 
 @pytest.fixture(scope="module")

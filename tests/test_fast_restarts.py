@@ -127,6 +127,7 @@ def compile_in_a_fresh_process(folder: Path, load: bool, cache_dir: Path) -> dic
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # two processes each compile the model on CPU: over 3 min beside another test on 2 cores
 def test_the_compile_cache_beside_a_checkpoint_makes_a_fresh_node_hit_instead_of_compiling(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
@@ -171,6 +172,7 @@ RESTARTED = (r"pretrain: restart \(attempt 2\) reached step (\d+) in ([\d.]+) s:
 
 
 @pytest.mark.integration
+@pytest.mark.rig
 @pytest.mark.slow  # two cold compiles on two shared cores, the restart, a compile of the final evaluation: ~3-4 min
 def test_a_restart_on_fresh_nodes_loads_the_compile_cache_and_says_where_its_time_went(inputs, tmp_path, monkeypatch):
     """Two compiled workers on two of three 1-CPU nodes, each worker process with an empty inductor cache directory

@@ -24,7 +24,7 @@ from multinode import MultiNodeRay
 from waiting import wait_until
 from test_faults import BIN, QUIET, assert_closing_lines, cli_env
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.rig]
 
 PHASE = ("[{max_seq_length: 32, max_predictions_per_seq: 5, global_batch_size: 16, micro_batch_size: 8,"
          " learning_rate: 1.0e-3, warmup_steps: 2}]")

@@ -5,8 +5,10 @@ outage), so two workers finish the suite in well under its serial time on 2 core
 - A test module is one unit of work, on one worker, so its module-scoped fixtures are built once (loadfile).
 - The modules that use conftest's `clone` (and so `made_run`: a whole `make run` in a fresh clone, minutes) are one
   unit together: a session fixture is built once per worker that asks for it.
-- The heaviest units are handed out first (the shared clone's, then the modules that start Ray or servers), so the
-  last minutes of a run are short tests filling both workers, not one long test with a worker idle.
+- The modules with a `rig` test (tests/multinode.py: a head and worker nodes, whose health checks and restarts are
+  what they measure) are one unit: one rig at a time on the machine (two at once: a rig failed to start).
+- The heaviest units are handed out first (those two, then the modules that start Ray or servers), so the last
+  minutes of a run are short tests filling both workers, not one long test with a worker idle.
 
 Which modules use `clone` is known only after collection, in the workers: they write it to a file the controller's
 scheduler reads (xdist's own `xdist_group` marks no longer reach its scheduler under pytest 9, which ignores the
@@ -22,14 +24,19 @@ from pathlib import Path
 import pytest
 
 SHARED_CLONE = "clone"  # conftest's session fixture that `made_run` builds on
+RIG = "rig"  # the marker of a test that starts the multi-node rig
 _UNITS_FILE = "bertpipe_lanes_file"  # the key of the units file in each worker's workerinput
 
 
-def _weight(items: list[pytest.Item]) -> int:
-    """0 for a module of the shared clone's, 1 for a module that starts Ray or a server, 2 for the rest."""
+def _unit(module: str, items: list[pytest.Item]) -> tuple[int, str]:
+    """(weight, unit): weight 0 for the shared clone's and the rig's units, 1 for a module that starts Ray or a
+    server or has a slow test, 2 for the rest; the unit is the module's own unless it shares one."""
     if any(SHARED_CLONE in item.fixturenames for item in items):
-        return 0
-    return 1 if any(item.get_closest_marker("integration") for item in items) else 2
+        return 0, SHARED_CLONE
+    if any(item.get_closest_marker(RIG) for item in items):
+        return 0, RIG
+    heavy = any(item.get_closest_marker("integration") or item.get_closest_marker("slow") for item in items)
+    return (1 if heavy else 2), module
 
 
 def _module(nodeid: str) -> str:
@@ -45,10 +52,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(_module(item.nodeid), []).append(item)
-    weights = {module: _weight(its) for module, its in modules.items()}
-    ordered = sorted(modules, key=lambda module: weights[module])  # stable: the written order within a weight
+    placed = {module: _unit(module, its) for module, its in modules.items()}
+    ordered = sorted(modules, key=lambda module: placed[module][0])  # stable: the written order within a weight
     items[:] = [item for module in ordered for item in modules[module]]
-    units = {module: SHARED_CLONE if weights[module] == 0 else module for module in ordered}
+    units = {module: placed[module][1] for module in ordered}
     target = Path(workerinput[_UNITS_FILE])
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".units-")
     with os.fdopen(fd, "w") as f:

@@ -19,6 +19,7 @@ goes to the run's log file only (`log_filter` on each console handler), and so d
 """
 from __future__ import annotations
 
+import io
 import logging
 import re
 import sys
@@ -195,10 +196,10 @@ class Console:
         # Libraries' own console handlers too: MLflow's and Ray's loggers do not propagate to the CLI's handler.
         loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                           if isinstance(v, logging.Logger))]
-        terminal = {id(s) for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}
         for handler in {h for logger in loggers for h in logger.handlers}:
-            # Handlers writing elsewhere (a host process's in-memory log capture, a socket) are not the console's
-            if isinstance(handler, logging.StreamHandler) and id(getattr(handler, "stream", None)) in terminal \
+            # An in-memory capture (a host process's, e.g. pytest's log capture) is nobody's console: left as is
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) \
+                    and not isinstance(getattr(handler, "stream", None), io.StringIO) \
                     and self.log_filter not in handler.filters:
                 handler.addFilter(self.log_filter)
                 self._filtered.append(handler)
