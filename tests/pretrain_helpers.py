@@ -102,3 +102,11 @@ def export_params(ctx: StageContext) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(Path(ctx.output_uri) / "export" / "model.safetensors"))
+
+
+def foreign_rig_inputs(root):
+    """The multi-node rig's inputs: two small seq-32 shards and held-out rows, with no manifest of ours (shards
+    from anywhere), as the elastic and restart tests train on them."""
+    make_inputs(root, lengths=(32,), rows_per_shard=400, num_shards=2, heldout_rows=160)
+    (root / "pairs" / "_MANIFEST.json").unlink()
+    return root

@@ -26,12 +26,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.rig]
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from pretrain_helpers import make_inputs
+    from pretrain_helpers import foreign_rig_inputs
 
-    root = tmp_path_factory.mktemp("elastic-inputs")
-    make_inputs(root, lengths=(32,), rows_per_shard=400, num_shards=2, heldout_rows=160)
-    (root / "pairs" / "_MANIFEST.json").unlink()  # shards from anywhere: no manifest of ours
-    return root
+    return foreign_rig_inputs(tmp_path_factory.mktemp("elastic-inputs"))
 
 # 24 sequences a step: 2 workers × micro 4 × accumulation 3, or 3 × 4 × 2; an epoch of 800 rows is 33 steps
 ELASTIC_PHASE = ("[{max_seq_length: 32, max_predictions_per_seq: 5, global_batch_size: 24, micro_batch_size: 4,"

@@ -150,12 +150,9 @@ def test_the_compile_cache_beside_a_checkpoint_makes_a_fresh_node_hit_instead_of
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from pretrain_helpers import make_inputs
+    from pretrain_helpers import foreign_rig_inputs
 
-    root = tmp_path_factory.mktemp("restart-inputs")
-    make_inputs(root, lengths=(32,), rows_per_shard=400, num_shards=2, heldout_rows=160)
-    (root / "pairs" / "_MANIFEST.json").unlink()  # shards from anywhere: no manifest of ours
-    return root
+    return foreign_rig_inputs(tmp_path_factory.mktemp("restart-inputs"))
 
 
 def series(tmp_path, name: str) -> list[tuple[int, float]]:
