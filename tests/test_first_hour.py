@@ -137,9 +137,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _get(url: str) -> tuple[int, bytes]:
+def _get(url: str, timeout: float = 60) -> tuple[int, bytes]:
+    # A generous read timeout: on a loaded machine the server's first API call (its store opening the SQLite file,
+    # lazy imports) took over 5 s in CI; a server that never answers still fails, a minute later.
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as err:
         return err.code, b""
@@ -155,7 +157,7 @@ def serve_and_stop(command: str, cwd: Path, env: dict, port: int, run_id: str) -
         deadline, status = time.monotonic() + 120, None
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                status, _ = _get(base + "/")
+                status, _ = _get(base + "/", timeout=5)
                 break
             except OSError:
                 time.sleep(1)
