@@ -169,48 +169,34 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
     assert [x.value for x in client.get_metric_history(run_id, "train/seq_length")][-2:] == [32, 64]
 
 
-# Slow (~70 s): a killed worker's in-run retry from the last checkpoint, then a rerun of the failed stage, both
-# bit-identical to the run never killed, are covered by test_pretrain_lamb.py::
-# test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint (LAMB under ZeRO 2, the whole optimizer state).
+# Slow (two Ray Train runs and a retry): a killed worker's in-run retry from the last checkpoint and a rerun of the
+# failed stage, both bit-identical to the run never killed, are also covered by test_pretrain_lamb.py::
+# test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint (LAMB under ZeRO 2, in the default suite); this is
+# the AdamW state under ZeRO 1. One chain tests both paths: the rerun's own run reaches a later checkpoint, which the
+# retry then resumes, so each resume is seen and the end is compared once.
 @pytest.mark.slow
-def test_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path, faults):
-    """Rank 1 dies at step 30; the retry restarts from the step-20 checkpoint and ends bit-identical to the
-    uninterrupted run."""
+def test_rerun_stage_resumes_and_a_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path, faults):
+    """No retries left: rank 1 dies at step 30 and the stage fails; running the stage again continues from step 20
+    (checkpoints live outside the output folder). In that rerun, with one retry allowed, rank 1 dies at step 50;
+    Ray Train's retry restarts from the step-40 checkpoint, and the end is bit-identical to the uninterrupted run,
+    its learning curves' data and baselines too."""
+    import ray.train
+
     _, inputs = data
-    ctx = context(tmp_path, inputs, base_config(zero_stage=1, max_failures=1))
-    faults.arm(step=30, rank=1)
+    faults.arm(step=30, rank=1, then=(50, 1))
+    with pytest.raises(ray.train.TrainingFailedError):
+        run_stage(context(tmp_path, inputs, base_config(zero_stage=1, max_failures=0)))
+    assert [(k["step"], k["started_at"]) for k in faults.kills] == [(30, 0)]
+    ctx = context(tmp_path, inputs, base_config(zero_stage=1, max_failures=1))  # retries: layout, the same run
     result = run_stage(ctx)
-    assert faults.fired
-    assert result.metrics["step"] == STEPS
-    assert result.metrics["resumed_from_step"] == 20  # the retry began at the last checkpoint, not at 0
+    # the rerun's worker started from the step-20 checkpoint; the retry's, from the step-40 one (not from 20 or 0)
+    assert [(k["step"], k["started_at"]) for k in faults.kills] == [(30, 0), (50, 20)]
+    assert result.metrics["resumed_from_step"] == 40 and result.metrics["step"] == STEPS
     reference = export_params(straight[0])
     got = export_params(ctx)
     assert reference.keys() == got.keys()
     assert all(torch.equal(reference[k], got[k]) for k in reference)
-
-
-# Slow (~75 s, two Ray Train runs): the rerun of a failed stage resuming bit-exactly from its last checkpoint is
-# covered, with the larger LAMB state and through a phase switch, by test_pretrain_lamb.py::
-# test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint, which also passes through Ray Train's retry.
-@pytest.mark.slow
-def test_rerun_stage_resumes(straight, data, tmp_path, faults):
-    """No retries left: the stage fails at step 30; running the stage again continues from step 20
-    (checkpoints live outside the output folder) and reproduces the straight run exactly."""
-    import ray.train
-
-    _, inputs = data
-    cfg = base_config(zero_stage=1, max_failures=0)
-    faults.arm(step=30, rank=1)
-    with pytest.raises(ray.train.TrainingFailedError):
-        run_stage(context(tmp_path, inputs, cfg))
-    assert faults.fired
-    ctx = context(tmp_path, inputs, cfg)
-    result = run_stage(ctx)
-    assert result.metrics["resumed_from_step"] == 20 and result.metrics["step"] == STEPS
-    reference = export_params(straight[0])
-    got = export_params(ctx)
-    assert all(torch.equal(reference[k], got[k]) for k in reference)
-    # the curves' data survive the resume (saved in the checkpoints) and the baselines are the same figures
+    # the curves' data survive the resumes (saved in the checkpoints) and the baselines are the same figures
     for name in ("history.json", "baselines.json"):
         assert (Path(ctx.output_uri) / name).read_text() == (Path(straight[0].output_uri) / name).read_text()
 
