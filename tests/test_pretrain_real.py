@@ -1,5 +1,5 @@
 """The pretrain stage on REAL shards: clean → vocab → pairs built by the workflow from the enwiki sample (the
-`real_pairs` fixture), then ZeRO 1, 2 and 3 each train the tiny BERT on them (2 CPU workers, local Ray).
+`real_pairs` fixture), then ZeRO 2 trains the tiny BERT on them (2 CPU workers, local Ray).
 
 What "learns" means here: the training loss falls clearly, and the held-out MLM accuracy beats the
 most-frequent-token baseline — always answering "the", the best a model that ignores context can do. A tiny
@@ -23,12 +23,13 @@ from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConf
 from bertpipe.pipeline.framework.stage import StageContext, StageInput, read_manifest
 from bertpipe.pipeline.formats.vocabulary import load_vocab, vocab_file
 
-# Slow as a whole (~250 s on 2 cores: the real shards, then 600 steps per ZeRO stage). Faster tests on synthetic
-# shards cover the same behaviours: ZeRO 1 learns (test_pretrain.py::test_zero1_learns_and_tracks_mlflow), ZeRO 3
-# learns and takes ZeRO 1's steps (test_pretrain.py::test_two_phases_zero3_learns_and_ends_at_phase2_length), ZeRO 2
-# learns (test_pretrain_lamb.py::test_bert_large_lamb_preset_shrunk_by_overrides_learns) and takes ZeRO 1's steps
-# (test_lamb_deepspeed.py, exactly); pretrain on shards the real workflow built from the enwiki sample runs in
-# test_mini_preset.py and in conftest's `made_run`.
+# Slow as a whole (the real shards, then 600 steps). One ZeRO stage trains here, ZeRO 2: the one no faster test
+# trains with AdamW through the stage. The others are covered faster, on synthetic shards: ZeRO 1 learns
+# (test_pretrain.py::test_zero1_learns_and_tracks_mlflow), ZeRO 3 learns and takes ZeRO 1's steps through the stage
+# (test_pretrain.py::test_two_phases_zero3_learns_and_ends_at_phase2_length), ZeRO 2 and 3 end with ZeRO 1's weights,
+# moments and losses on one and two workers (test_repartition.py::test_zero_stages_compute_the_same_training), ZeRO 2
+# learns with LAMB (test_pretrain_lamb.py::test_bert_large_lamb_preset_shrunk_by_overrides_learns); pretrain on
+# shards the real workflow built from the enwiki sample also runs in test_mini_preset.py and in conftest's `made_run`.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SEQ = 64
@@ -107,7 +108,7 @@ def test_real_shards_come_from_the_workflow(real_inputs):
     assert heldout >= 500, "too few held-out instances to measure accuracy to a point"
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+@pytest.mark.parametrize("zero_stage", [2])  # one stage: see the comment above pytestmark
 def test_zero_stage_learns_on_real_shards(train, real_inputs, zero_stage):
     metrics, history = train(zero_stage)
     tokens = load_vocab(vocab_file(real_inputs["vocab"].uri))
@@ -120,14 +121,3 @@ def test_zero_stage_learns_on_real_shards(train, real_inputs, zero_stage):
     baseline = baseline_accuracy(real_inputs["pairs"].uri, tokens)
     assert 0.02 < baseline < 0.2  # sanity: English text, 4,000 pieces: "the" is ~5% of the tokens
     assert metrics["eval_mlm_accuracy"] > baseline + MARGIN, (metrics["eval_mlm_accuracy"], baseline)
-
-
-def test_zero_stages_compute_the_same_training(train):
-    """ZeRO partitions optimizer state, gradients and parameters across ranks; it must not change the math:
-    the same seed gives the same losses and held-out accuracy at every stage (fp32 on CPU)."""
-    reference, ref_history = train(1)
-    for stage in (2, 3):
-        metrics, history = train(stage)
-        assert [s for s, _ in history] == [s for s, _ in ref_history]
-        assert np.allclose([v for _, v in history], [v for _, v in ref_history], atol=0.02), (stage, history)
-        assert abs(metrics["eval_mlm_accuracy"] - reference["eval_mlm_accuracy"]) < 0.005, stage
