@@ -2,11 +2,11 @@
 name's arithmetic on plain configs; the data rule of a resume on another layout
 (jobs/pretrain/checkpointing/resume.py) on positions, on streams of numbered rows and through the loop's own
 run_epoch (one CPU process, no Ray); what `bertpipe status` says a run started from; then real Ray Train + DeepSpeed
-runs (tiny BERT, 2 CPU workers, local Ray): a run that failed at step 30 resumes from its step-20 checkpoint after
+runs (tiny BERT, 2 CPU workers, local Ray): a run that failed at step 25 resumes from its step-20 checkpoint after
 the cadence and CPUs changed, says so in one line with both layouts; a changed learning rate starts at step 0 naming
-the field; `pretrain.restart` starts again; and its step-20 checkpoint resumed on one worker instead of two under
-ZeRO 1 goes on by the rule (the optimizer state re-partitioned, the rest of the epoch left out:
-tests/test_repartition.py shows the re-partitioned state exact).
+the field (the stage's decision and line, without training); `pretrain.restart` starts again; and its step-20
+checkpoint resumed on one worker instead of two under ZeRO 1 goes on by the rule (the optimizer state
+re-partitioned, the rest of the epoch left out: tests/test_repartition.py shows the re-partitioned state exact).
 """
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ from bertpipe.jobs.pretrain import runs
 from bertpipe.jobs.pretrain.checkpointing import resume
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig, PretrainConfig
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
-from bertpipe.jobs.pretrain.stage import latest_start, run_stage
+from bertpipe.jobs.pretrain.checkpointing.folders import survey
+from bertpipe.jobs.pretrain.runs import describe_start
+from bertpipe.jobs.pretrain.stage import latest_start, run_name, run_stage, start_record
 from bertpipe.jobs.workflow.planning import context as workflow_context
 from pretrain_helpers import context, make_inputs, tiny_config
 
@@ -178,7 +180,11 @@ def test_a_micro_batch_change_mid_epoch_trains_every_sequence_of_the_epoch_once(
     assert end == Position(step=6, epoch=0, batch=18, sequences=96, dealt=8)
     assert [len(b) for b in trained] == [8] * 6 + [4] * 12
     assert sum(trained, []) == list(range(96))  # every row once, in order: none twice, none left out
-STEPS = 40
+
+
+# Each run's fixed cost (Ray Train's workers, DeepSpeed, the end's evaluation and export: ~35 s on 2 cores) is
+# most of its time (a step: ~0.3 s); what is asserted needs a checkpoint at 20 and a few steps past it, not more.
+STEPS = 30
 
 
 def config(**kw):
@@ -189,7 +195,7 @@ def config(**kw):
 
 
 @pytest.mark.integration
-@pytest.mark.slow  # ~3 minutes: five pre-training runs
+@pytest.mark.slow  # four pre-training runs
 def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_again(ray_local, tmp_path, faults,
                                                                                     capsys):
     import ray.train
@@ -199,7 +205,7 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
     console = Console(live=True)
     try:
         inputs = make_inputs(tmp_path / "data", lengths=(32,), rows_per_shard=800, num_shards=4, heldout_rows=160)
-        faults.arm(step=30, rank=1)
+        faults.arm(step=25, rank=1)
         with pytest.raises(ray.train.TrainingFailedError):
             run_stage(context(tmp_path, inputs, config(max_failures=0), console=console))
         capsys.readouterr()
@@ -214,15 +220,22 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
         assert any("resuming from the step-20 checkpoint" in line and "taken with 2 workers × micro 8; now 2 "
                    "workers × micro 4" in line and "re-cut from micro-batches of 8 into 4" in line
                    for line in said), said
-        # the epoch goes on as dealt (in micro-batches of 8): 40 steps × 16 sequences of each worker's share
+        # the epoch goes on as dealt (in micro-batches of 8): 30 steps × 16 sequences of each worker's share, in 20
+        # steps of 2 micro-batches of 8, then 10 steps of 4 micro-batches of 4
         last = json.loads((Path(result.extra["checkpoint"]) / "position.json").read_text())
-        assert (last["epoch"], last["sequences"], last["dealt"], last["batch"]) == (0, 40 * 16, 8, 40 + 80)
-        # another learning rate: another run, from step 0, and the line names the field
+        assert (last["epoch"], last["sequences"], last["dealt"], last["batch"]) == (0, STEPS * 16, 8,
+                                                                                   20 * 2 + (STEPS - 20) * 4)
+        # another learning rate: another run, from step 0, and the line names the field. What run_stage decides
+        # before its workers start (the run's folder, the checkpoint to resume, the start line), without a training
+        # run of its own: a run's start at step 0 and its line through run_stage are the restart's below.
         changed = dataclasses.replace(config(), phases=(dataclasses.replace(config().phases[0], learning_rate=1e-3),))
-        result = run_stage(context(tmp_path, inputs, changed, console=console))
-        said = [line for line in capsys.readouterr().out.splitlines() if "training starts at step 0" in line]
-        assert result.metrics["resumed_from_step"] == 0
-        assert len(said) == 1 and "pretrain.phases[0].learning_rate 0.003 → 0.001" in said[0], said
+        ctx = context(tmp_path, inputs, changed, console=console)
+        storage_path = ctx.paths.ray_results
+        name = run_name(ctx, changed, storage_path)
+        assert name != Path(result.extra["checkpoints"]).name and survey(storage_path, name, changed)[0] is None
+        said = describe_start(start_record(ctx, changed, storage_path, name, None, {}))
+        assert said.startswith("pretrain: training starts at step 0") and \
+            "pretrain.phases[0].learning_rate 0.003 → 0.001" in said, said
         # the first settings again, started over (pretrain.restart) and left unfinished at step 25 (checkpoint 20),
         # then resumed on one worker instead of two under ZeRO 1: the optimizer state re-partitioned, the rest of the
         # epoch left out (the line says how much), and training goes on with the next epoch to the end
@@ -231,6 +244,7 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
             run_stage(context(tmp_path, inputs, config(max_failures=0, restart=True), console=console))
         said = [line for line in capsys.readouterr().out.splitlines() if "training starts at step 0" in line]
         assert said and "(pretrain.restart)" in said[0], said
+        assert [(k["step"], k["started_at"]) for k in faults.kills] == [(25, 0)]  # its workers began at step 0
         one_worker = dataclasses.replace(config(max_failures=0), num_workers=1)
         result = run_stage(context(tmp_path, inputs, one_worker, console=console))
         said = [line for line in capsys.readouterr().out.splitlines() if "resuming from" in line]
@@ -241,7 +255,7 @@ def test_a_failed_run_resumes_after_a_layout_change_and_a_result_change_starts_a
             "started from random initialisation", "optimizer state (re-partitioned from 2 workers to 1), LR schedule "
             "position and step 20 carry over exactly", "(2,560 sequences not trained yet) is left out")), said
         last = json.loads((Path(result.extra["checkpoint"]) / "position.json").read_text())
-        assert (last["epoch"], last["sequences"], last["layout"]["num_workers"]) == (1, 20 * 32, 1)
+        assert (last["epoch"], last["sequences"], last["layout"]["num_workers"]) == (1, (STEPS - 20) * 32, 1)
         # `bertpipe status` shows this record: the one the line was made of, in the run folder and the manifest
         start, folder = result.extra["start"], Path(result.extra["checkpoints"])
         assert runs.latest_start(str(folder.parent)) == {**start, "run": folder.name}
