@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 from bertpipe.pipeline.framework.config_fields import at_least, one_of, path_field, sequence_length
 
+# How extract.py combines the hidden states (here, not there: loading a config must not import torch).
+MODES = ("last_four_concat", "last", "sum_last_four")
+
 
 @dataclass(frozen=True, kw_only=True)
 class FeaturesConfig:
@@ -21,8 +24,6 @@ class FeaturesConfig:
     cpus_per_actor: int = 1
 
     def __post_init__(self) -> None:
-        from bertpipe.jobs.features.extract import MODES
-
         one_of("features", self, "mode", MODES)
         at_least("features", self, 1, "batch_size", "num_actors", "cpus_per_actor")
         sequence_length("features", self)

@@ -13,12 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from bertpipe.jobs.features.config import MODES
 from bertpipe.jobs.tuning.inputs import write_model_files
 from bertpipe.jobs.tuning.loop import pad_rows
 from bertpipe.jobs.tuning.words import build_rows
 from bertpipe.pipeline.formats.tokenizer import load_tokenizer
-
-MODES = ("last_four_concat", "last", "sum_last_four")
 
 
 def hidden_states(bert, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
