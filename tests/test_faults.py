@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from bertpipe.pipeline.stages.pairs import PASS_PARTS_DIR
 from ports import closed_port_uri, free_port_block, silent_server
 
 BIN = Path(sys.executable).parent
@@ -153,11 +154,21 @@ def wait_for_writers(stage: Path, proc: subprocess.Popen, timeout: float = 240) 
         time.sleep(0.05)
 
 
-def interrupt(proc: subprocess.Popen, sig: int) -> None:
-    """`sig` to the run, which must still be running: Popen.send_signal skips a process that has ended, and the run
-    would then look as if it had ignored the signal (exit 0)."""
-    assert proc.poll() is None, ("the run ended before the signal", proc.communicate())
-    os.kill(proc.pid, sig)
+def interrupt(proc: subprocess.Popen, sig: int, stage: Path) -> None:
+    """`sig` to the run while its stage runs, for certain: the driver is stopped (SIGSTOP), the stage's pass-1 folder
+    is checked to be still there (the driver deletes it once the writers are done, before the stage commits), and
+    only then is the signal sent and the driver let go on into it.
+
+    Checked without the stop, the stage could end between the check and the signal on a loaded machine: the signal
+    then reaches a run that has committed its stage, closed its MLflow runs as FINISHED and is in Ray's shutdown at
+    interpreter exit, where a KeyboardInterrupt is only "ignored in atexit callback" and the run exits 0."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        assert proc.poll() is None, ("the run ended before the signal", proc.communicate())
+        assert (stage / PASS_PARTS_DIR).is_dir(), f"{stage.name} got past its writers before the test could stop it"
+        os.kill(proc.pid, sig)  # pending until SIGCONT: delivered with the driver still inside the stage
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
 
 
 def finish(proc: subprocess.Popen, out: list[str]) -> tuple[int, str, str]:
@@ -347,7 +358,7 @@ def test_sigterm_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, h
     uri = f"http://alice:{PASSWORD}@127.0.0.1:{mlflow_server}/"
     proc, out = start_pairs(home, workdir, ray_tmp, "--set", f"mlflow.tracking_uri={uri}")
     wait_for_writers(workdir / "pairs", proc)
-    interrupt(proc, signal.SIGTERM)
+    interrupt(proc, signal.SIGTERM, workdir / "pairs")
     code, stdout, stderr = finish(proc, out)
 
     assert_interrupted(signal.SIGTERM, code, stderr, workdir, ray_tmp)
@@ -372,7 +383,7 @@ def test_sigint_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, ho
     workdir = copy_of(committed, tmp_path / "w")
     proc, out = start_pairs(home, workdir, ray_tmp)
     wait_for_writers(workdir / "pairs", proc)
-    interrupt(proc, signal.SIGINT)
+    interrupt(proc, signal.SIGINT, workdir / "pairs")
     code, _, stderr = finish(proc, out)
 
     assert_interrupted(signal.SIGINT, code, stderr, workdir, ray_tmp)
