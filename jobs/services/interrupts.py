@@ -62,10 +62,18 @@ def reinstall() -> None:
             signal.signal(sig, _handler)
 
 
+def _signum(exc: BaseException) -> int:
+    """The signal that ended the run. Ray's blocking calls (ray.get) turn any KeyboardInterrupt raised in them, our
+    `Interrupted` included, into a plain one: the signal is then the last this process received, else SIGINT."""
+    if isinstance(exc, Interrupted):
+        return exc.signum
+    return _received[-1] if _received else signal.SIGINT
+
+
 def exit_code(exc: BaseException) -> int:
-    """128 + signal for an `Interrupted`, 130 (SIGINT's) for a plain KeyboardInterrupt."""
-    return getattr(exc, "exit_code", 128 + signal.SIGINT)
+    """128 + the signal that ended the run (130 for a Ctrl-C that reached no handler of ours)."""
+    return 128 + _signum(exc)
 
 
 def interrupt_text(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, Interrupted) else "interrupted by SIGINT"
+    return f"interrupted by {signal.Signals(_signum(exc)).name}"
