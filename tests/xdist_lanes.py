@@ -80,7 +80,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # longest unit first, a unit's modules together; stable: the written order among equals
     ordered = sorted(modules, key=lambda module: -length[units[module]])
     items[:] = [item for module in ordered for item in modules[module]]
-    units = {module: units[module] for module in ordered}
     target = Path(workerinput[_UNITS_FILE])
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".units-")
     with os.fdopen(fd, "w") as f:
@@ -126,14 +125,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return SharedFixtureUnits(config, log)
 
 
+_recorded: dict[str, float] = {}  # nodeid -> seconds, when a run records them (BERTPIPE_LANE_SECONDS)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Sums each test's set-up, call and tear-down seconds, in the process that sees every report (the controller
-    under xdist), when a run records them."""
+    """Sums each test's set-up, call and tear-down seconds; the controller under xdist sees every worker's reports
+    (and writes them at the session's end)."""
     if os.environ.get(RECORD_ENV):
         _recorded[report.nodeid] = _recorded.get(report.nodeid, 0.0) + report.duration
-
-
-_recorded: dict[str, float] = {}
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

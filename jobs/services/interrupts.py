@@ -24,12 +24,11 @@ _received: list[int] = []    # signals seen so far in this process
 
 
 class Interrupted(KeyboardInterrupt):
-    """The run was stopped by a signal; `exit_code` is what a shell reports for a process killed by it."""
+    """The run was stopped by the signal `signum` (exit_code() says what a shell reports for it)."""
 
     def __init__(self, signum: int):
         super().__init__(f"interrupted by {signal.Signals(signum).name}")
         self.signum = signum
-        self.exit_code = 128 + signum
 
 
 def _handler(signum, frame) -> None:
