@@ -149,3 +149,46 @@ def test_the_progress_line_shows_no_eta_while_the_work_cannot_know_one():
     assert shown.first[1] == 30 and "steps/s" in shown.line()
     shown.set(40)
     assert shown.eta() is not None
+
+
+def test_a_status_of_the_attempt_before_is_not_told_again_after_a_restart_line(capsys):
+    """What the workers tell through the board (pipeline/framework/progress.py) and what the driver's watch tells
+    meet on one progress line: a status is printed once, when it is told, not again because another came between."""
+    from bertpipe.pipeline.framework.console import Console
+    from bertpipe.pipeline.framework.progress import _Board, statuses_told_since
+
+    console = Console(live=True)
+    board, shown, seen = _Board(), console.progress("pretrain", 40, "steps"), 0
+    nodes = {"a": "10.0.0.1, 1 CPUs", "b": "10.0.0.2, 1 CPUs"}
+    watch, _, clock = make_watch(nodes)
+
+    def poll():
+        nonlocal seen
+        count, fields = board.read("k")
+        fields, seen = statuses_told_since(fields, seen)
+        shown.set(count, **{**fields, **watch(count, fields)})
+        clock["now"] += 0.5
+
+    board.set("k", 0, {"attempt_started": 1.0, "resumed_from": 0, "status": "compiling the model"})
+    poll()
+    board.set("k", 0, {"status": "model compiled in 69 s"})
+    poll()
+    for step in (10, 20, 30):
+        board.set("k", step, {})
+        poll()
+    del nodes["b"]
+    poll()
+    board.set("k", 20, {"attempt_started": 2.0, "resumed_from": 20})  # the new attempt; its board entry is the old
+    poll()
+    poll()
+    poll()
+    board.set("k", 20, {"status": "compiling the model"})
+    poll()
+    board.set("k", 21, {"status": "model compiled in 17 s"})
+    poll()
+    console.close()
+    said = [line.removeprefix("  pretrain: ") for line in capsys.readouterr().out.splitlines()
+            if "/40 (" not in line]  # statuses only, not a heartbeat's progress line
+    assert said == ["compiling the model", "model compiled in 69 s",
+                    "a worker node (10.0.0.2, 1 CPUs) was lost at step 30; restarted from the step-20 checkpoint, "
+                    "attempt 2 of 4", "compiling the model", "model compiled in 17 s"], said

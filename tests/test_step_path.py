@@ -15,7 +15,7 @@ import engine_helpers as eh
 from bertpipe.jobs.pretrain import loop, worker
 from bertpipe.jobs.pretrain.checkpointing.resume import Position
 from bertpipe.jobs.pretrain.engine.build import compile_enabled
-from bertpipe.jobs.pretrain.data.masking import batch_rng, mask_batch
+from bertpipe.jobs.pretrain.data.masking import MaskingSpec, batch_rng, mask_batch, round_up
 from bertpipe.jobs.pretrain.config import PhaseConfig, PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.metrics.meter import Meter, NonFiniteError
@@ -164,16 +164,24 @@ def test_layout_warning_names_small_accumulation_one_phases():
                                          phases=(PhaseConfig(global_batch_size=256, micro_batch_size=16),))) == ""
 
 
-def test_compiled_and_eager_losses_agree():
-    """pretrain.compile on the tiny model: the same losses as eager over a few steps (inductor on CPU)."""
+def test_compiled_and_eager_losses_agree_and_every_length_runs_one_graph():
+    """pretrain.compile on the tiny model: the same losses as eager over a few steps (inductor on CPU), and micro-
+    batches of two padded lengths run one compiled graph (worker.forward: dynamic from the first step)."""
+    from torch._dynamo.utils import counters
+
+    batches = eh.raw_batches(12, 4, 32)
+    assert len({round_up(max(len(r) for r in b["input_ids"]), MaskingSpec.pad_to_multiple_of) for b in batches}) == 2
     losses = {}
     for compiled in (False, True):
         cfg = config(compile=compiled, max_steps=3, log_every_steps=3)
+        torch._dynamo.reset()
+        counters.clear()
         with eh.process_group():
             w = eh.worker(cfg)
-            train(w, cfg, eh.raw_batches(12, 4, 32))
+            train(w, cfg, batches)
         losses[compiled] = [row["loss"] for row in w.metrics.history]
         assert w.compiled == compiled
+        assert counters["stats"]["unique_graphs"] == (1 if compiled else 0)
     assert losses[True] == pytest.approx(losses[False], rel=2e-3)
 
 

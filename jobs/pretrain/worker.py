@@ -14,6 +14,7 @@ from bertpipe.jobs.pretrain.checkpointing.manager import CheckpointManager
 from bertpipe.jobs.pretrain.config import PhaseConfig
 from bertpipe.jobs.pretrain.data.masking import MaskingSpec
 from bertpipe.jobs.pretrain.data.streams import WorkerData
+from bertpipe.jobs.pretrain.engine.build import compile_enabled
 from bertpipe.jobs.pretrain.metrics.training_metrics import TrainingMetrics
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import RunLogger
@@ -74,7 +75,19 @@ def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]
     return {k: v.to(device) for k, v in batch.items()}
 
 
+# [B, T] inputs whose T is the micro-batch's longest row (data/masking.py pad_batch): it changes from batch to batch.
+SEQUENCE_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+
+
 def forward(w: Worker, b: dict[str, torch.Tensor]):
-    """The model on a batch already on the device (see to_device)."""
+    """The model on a batch already on the device (see to_device).
+
+    Compiled, the sequence length is dynamic from the first step: one graph for every length. Left to itself,
+    torch.compile specializes the first graph to the first batch's length and compiles a dynamic one at the next
+    length; a restart then compiles a static graph for whatever length its first batch has, which the cache the
+    run saved beside its checkpoints (checkpointing/compile_cache.py) holds only if that length was the run's first."""
+    if compile_enabled(w.spec.pretrain):
+        for name in SEQUENCE_INPUTS:
+            torch._dynamo.maybe_mark_dynamic(b[name], 1)
     return w.engine(b["input_ids"], b["token_type_ids"], b["attention_mask"], b["masked_positions"],
                     b["masked_lm_labels"], b["next_sentence_label"])

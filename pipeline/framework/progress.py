@@ -158,6 +158,27 @@ class Reporter:
             self.board.set.remote(self.key, count, fields)
 
 
+STATUS_SEQ = "status_seq"  # the board counts the statuses it was told: a status is an event, not a state
+
+
+def _merged(old: dict, fields: dict) -> dict:
+    merged = {**old, **fields}
+    if "status" in fields:
+        merged[STATUS_SEQ] = old.get(STATUS_SEQ, 0) + 1
+    return merged
+
+
+def statuses_told_since(fields: dict, seen: int) -> tuple[dict, int]:
+    """The board's fields with its `status` only if it was told since the poll that saw status number `seen`, and
+    the number now. The board keeps the last status it was told; passed on every poll, it would be printed again
+    whenever the driver's own status (a restart's line) came in between: a restarted run said "model compiled in
+    69 s" of the attempt before, as it began compiling again."""
+    seq = int(fields.get(STATUS_SEQ, 0))
+    if seq == seen:
+        fields = {k: v for k, v in fields.items() if k != "status"}
+    return {k: v for k, v in fields.items() if k != STATUS_SEQ}, seq
+
+
 class _Board:
     """One actor per driver holds every piece of work's count and fields (an actor per progress line would
     start a worker process each)."""
@@ -167,10 +188,10 @@ class _Board:
 
     def add(self, key: str, n: float, fields: dict) -> None:
         count, old = self.entries.get(key, (0.0, {}))
-        self.entries[key] = (count + n, {**old, **fields})
+        self.entries[key] = (count + n, _merged(old, fields))
 
     def set(self, key: str, count: float, fields: dict) -> None:
-        self.entries[key] = (count, {**self.entries.get(key, (0.0, {}))[1], **fields})
+        self.entries[key] = (count, _merged(self.entries.get(key, (0.0, {}))[1], fields))
 
     def read(self, key: str) -> tuple[float, dict]:
         return self.entries.get(key, (0.0, {}))
@@ -202,14 +223,21 @@ def poll_board(board, key: str, shown: Progress,
     import ray
 
     desc, stop = shown.desc, threading.Event()
+    seen = [0]  # the number of the board's last status passed on (statuses_told_since)
+
+    def read() -> tuple[float, dict[str, Any]]:
+        count, fields = ray.get(board.read.remote(key), timeout=10)
+        fields, seen[0] = statuses_told_since(fields, seen[0])
+        return count, fields
 
     def poll() -> None:
         count, fields = 0.0, {}
         while not stop.wait(POLL_S):
             try:
-                count, fields = ray.get(board.read.remote(key), timeout=10)
+                count, fields = read()
             except Exception as exc:  # noqa: BLE001 - a slow poll must never break the work it watches
                 log.info("%s: progress poll failed: %s: %s", desc, type(exc).__name__, exc)
+                fields = {k: v for k, v in fields.items() if k != "status"}  # told on the last poll already
             # The watch runs on the last counts when a read fails: a lost node is told even if the board is slow.
             extra = {}
             if watch is not None:
@@ -227,7 +255,7 @@ def poll_board(board, key: str, shown: Progress,
         stop.set()
         thread.join()
         try:
-            count, fields = ray.get(board.read.remote(key), timeout=10)
+            count, fields = read()
             shown.set(count, **fields)
             board.drop.remote(key)
         except Exception:  # noqa: BLE001
