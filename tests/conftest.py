@@ -67,7 +67,9 @@ def ray_local(fault_dir):
     if not ray.is_initialized():
         pythonpath = os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env = {"TOKENIZERS_PARALLELISM": "false", FAULT_DIR_ENV: str(fault_dir), "PYTHONPATH": pythonpath}
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        # address="local": this session's own, even while another test's cluster (the multi-node rig, on the other
+        # xdist worker) has written its address where a plain ray.init() looks first
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env, "worker_process_setup_hook": "fault_injection.install"})
     yield ray
     ray.shutdown()

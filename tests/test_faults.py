@@ -26,6 +26,7 @@ import pytest
 
 from bertpipe.pipeline.stages.pairs import PASS_PARTS_DIR
 from ports import closed_port_uri, free_port_block, silent_server
+from terminal import as_in_a_terminal
 
 BIN = Path(sys.executable).parent
 PASSWORD = "Hunter2-x9Q"  # in the MLflow URI of the SIGTERM test: must never be shown
@@ -131,21 +132,11 @@ def runs(tracking_uri: str) -> dict[str, object]:
     return {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])} if experiment else {}
 
 
-# SIGINT at its default, as a shell in a terminal starts a command, then the command itself. A run that inherits SIGINT
-# ignored (pytest started as a background job of a non-interactive shell, as CI scripts do) keeps it ignored, by design
-# (jobs/services/interrupts.py), and would then finish its stage and exit 0. Reset in a program of its own, not in a
-# Popen preexec_fn: that runs Python between fork and exec, which can deadlock in a child of a threaded process
-# (an xdist worker), and the test would then wait forever for the run's first line.
-SIGINT_AS_IN_A_TERMINAL = [sys.executable, "-c",
-                           "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                           "os.execv(sys.argv[1], sys.argv[1:])"]
-
-
 def start_pairs(home: Path, workdir: Path, ray_tmp: Path, *extra: str) -> tuple[subprocess.Popen, list[str]]:
     """`bertpipe run --only pairs` on `workdir`, returned once its local Ray is up (the console's "ray" line)."""
     # A session of its own: a signal the test sends reaches the run alone, never pytest's process group.
-    proc = subprocess.Popen([*SIGINT_AS_IN_A_TERMINAL, str(BIN / "bertpipe"), "run", "--workdir", str(workdir),
-                             "--only", "pairs", *QUIET, *extra], cwd=home, env=cli_env(ray_tmp),
+    proc = subprocess.Popen(as_in_a_terminal([str(BIN / "bertpipe"), "run", "--workdir", str(workdir), "--only",
+                                              "pairs", *QUIET, *extra]), cwd=home, env=cli_env(ray_tmp),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     out = []
     for line in proc.stdout:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ports import closed_port_uri, free_port_block, silent_server
+from terminal import as_in_a_terminal
 
 BIN = Path(sys.executable).parent
 HOST = socket.gethostname()
@@ -70,8 +71,8 @@ def tree(path: Path) -> dict[str, int]:
 
 def start_first_run(rundir: Path, workdir: str, tracking: str) -> tuple[subprocess.Popen, dict]:
     """A real `bertpipe run` that holds `workdir`, frozen (SIGSTOP) right after it took the lock."""
-    proc = subprocess.Popen(run_args(workdir, tracking), cwd=rundir, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(as_in_a_terminal(run_args(workdir, tracking)), cwd=rundir, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     record = wait_for_holder(rundir / workdir / LOCK, proc.pid, proc)
     proc.send_signal(signal.SIGSTOP)
     return proc, record
