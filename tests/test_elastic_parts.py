@@ -155,3 +155,42 @@ def test_the_drain_checkpoint_waits_while_the_deadline_is_far_and_is_taken_once_
     drain.hold_until_restart(5.0, clock=lambda: clock["now"],
                              sleep=lambda s: clock.__setitem__("now", clock["now"] + s))
     assert clock["now"] == 5.0
+
+
+def test_a_restart_counts_only_the_nodes_whose_raylet_answers_and_a_running_group_counts_all():
+    """Ray Train restarts the group seconds after a worker's node is lost, while the cluster still holds the node
+    alive (its health checks take ~15 s): the policy leaves out a node whose raylet does not answer when it starts a
+    group, and only then."""
+    import ray.train
+
+    from bertpipe.jobs.pretrain.elastic import NodeProbe, WholeBatchScalingPolicy
+
+    asked = []
+    clock = {"now": 0.0}
+    raylets = {"a": ("10.0.0.1", 1), "b": ("10.0.0.2", 1), "c": ("10.0.0.3", 1)}
+    gone = {("10.0.0.3", 1)}
+    probe = NodeProbe(addresses=lambda: raylets, answers=lambda at: asked.append(at) or at not in gone,
+                      clock=lambda: clock["now"], fresh_s=1.0)
+    policy = WholeBatchScalingPolicy(ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
+                                     worlds=[2, 3], probe=probe)
+    reserved = {node: {"CPU": 1.0} for node in raylets}
+    assert policy._count_possible_workers(reserved) == 3  # a running group's resize check: no probe
+    assert asked == []
+    policy._starting = True
+    assert policy._count_possible_workers(reserved) == 2
+    assert policy._count_possible_workers(reserved) == 2 and len(asked) == 3  # asked once within a second
+    clock["now"] += 1.0
+    gone.clear()  # a node with that address joined again
+    assert policy._count_possible_workers(reserved) == 3 and len(asked) == 6
+
+
+def test_a_raylet_answers_when_its_port_listens_and_not_once_it_is_closed():
+    import socket
+
+    from bertpipe.jobs.pretrain.elastic import raylet_answers
+
+    server = socket.create_server(("127.0.0.1", 0))
+    address = server.getsockname()
+    assert raylet_answers(address)
+    server.close()
+    assert not raylet_answers(address)  # refused: what a killed raylet's port answers

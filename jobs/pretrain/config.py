@@ -139,7 +139,7 @@ class PretrainConfig:
     # An elastic run (num_workers a range): seconds between Ray Train's looks for room to grow.
     elastic_resize_check_s: float = 60.0
     # An elastic run: seconds a worker group may take to start before Ray Train tries again with what fits then
-    # (a group sized by a node that died but is not declared dead yet never starts).
+    # (a group sized by a node that is gone but whose raylet still answered never starts).
     elastic_start_timeout_s: float = 30.0
     # Ray Train storage (local path or s3://). Empty = <parent of the stage output>/ray_results, outside the
     # output folder (the workflow empties that before a rerun, and a rerun must find the checkpoints).

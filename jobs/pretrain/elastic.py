@@ -13,14 +13,20 @@ What is added to Ray's policy:
 - the cluster's room is read fresh at each decision (Ray Data's autoscaling coordinator, which Ray Train asks,
   refreshes its view of the nodes every 20 s otherwise): a node that joined is used at the next resize check, and
   a restart after a loss does not size the group by a node already gone from the coordinator's view;
-- a worker group that does not start within `pretrain.elastic_start_timeout_s` (it was sized by a node the cluster
-  has not declared dead yet: a node's death takes its health checks, ~15-30 s) is given up sooner than Ray Train's
-  60 s, and the next try counts again.
+- a restart counts only the nodes whose raylet answers: Ray Train restarts the group seconds after a worker's node
+  is lost, before the cluster has declared the node dead (its health checks take ~15-30 s), and would otherwise size
+  the group by the lost node's room and wait for it until the start times out;
+- a worker group that does not start within `pretrain.elastic_start_timeout_s` (sized by a node that is gone all
+  the same: one whose raylet still answered) is given up sooner than Ray Train's 60 s, and the next try counts again.
 """
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import ray
 from ray.train.torch import TorchTrainer
@@ -39,14 +45,71 @@ def whole_batch_world(fits: int, worlds: list[int]) -> int:
     return max((n for n in worlds if n <= fits), default=0)
 
 
-class WholeBatchScalingPolicy(ElasticScalingPolicy):
-    """Ray Train's elastic policy, counting only the worker counts that split the global batch exactly."""
+RAYLET_PROBE_TIMEOUT_S = 1.0  # a raylet on a live node accepts at once; a lost machine's connect hangs until this
 
-    def __init__(self, scaling_config, worlds: list[int]):
+
+def raylet_answers(address: tuple[str, int], timeout_s: float = RAYLET_PROBE_TIMEOUT_S) -> bool:
+    """A TCP connection to the node's raylet opens: refused (the raylet is gone) or timed out (the machine is)
+    is False."""
+    try:
+        with socket.create_connection(address, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def raylet_addresses() -> dict[str, tuple[str, int]]:
+    """{node id: (raylet host, port)} of the nodes the cluster holds alive."""
+    return {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in ray.nodes()
+            if n.get("Alive") and n.get("NodeManagerPort")}
+
+
+class NodeProbe:
+    """Which nodes' raylets do not answer, asked in parallel and kept for `fresh_s` (a restart's decision loop
+    asks many times a second)."""
+
+    def __init__(self, addresses: Callable[[], dict[str, tuple[str, int]]] = raylet_addresses,
+                 answers: Callable[[tuple[str, int]], bool] = raylet_answers,
+                 clock: Callable[[], float] = time.monotonic, fresh_s: float = 1.0):
+        self.addresses, self.answers, self.clock, self.fresh_s = addresses, answers, clock, fresh_s
+        self._silent: set[str] = set()
+        self._asked_at = float("-inf")
+
+    def silent(self) -> set[str]:
+        now = self.clock()
+        if now - self._asked_at >= self.fresh_s:
+            where = self.addresses()
+            with ThreadPoolExecutor(max_workers=max(1, min(32, len(where)))) as pool:
+                answered = dict(zip(where, pool.map(self.answers, where.values())))
+            self._silent = {node for node, ok in answered.items() if not ok}
+            self._asked_at = self.clock()
+        return self._silent
+
+
+class WholeBatchScalingPolicy(ElasticScalingPolicy):
+    """Ray Train's elastic policy, counting only the worker counts that split the global batch exactly, and, when
+    it (re)starts the worker group, only the nodes whose raylet answers."""
+
+    def __init__(self, scaling_config, worlds: list[int], probe: NodeProbe | None = None):
         super().__init__(scaling_config)
         self.worlds = worlds
+        self.probe = probe or NodeProbe()
+        self._starting = False  # inside the decision for a group not running: a start or a restart
+
+    def make_decision_for_non_running_worker_group(self):
+        self._starting = True
+        try:
+            return super().make_decision_for_non_running_worker_group()
+        finally:
+            self._starting = False
 
     def _count_possible_workers(self, reserved_resources) -> int:
+        if self._starting and reserved_resources:
+            # Only at a (re)start: a running group's node that stops answering fails its worker, which restarts
+            # the group through here; a resize check that shrank on an unanswered probe would restart it for a
+            # moment's silence.
+            silent = self.probe.silent()
+            reserved_resources = {node: res for node, res in reserved_resources.items() if node not in silent}
         return whole_batch_world(super()._count_possible_workers(reserved_resources), self.worlds)
 
     def _get_reserved_resources(self):
