@@ -205,31 +205,33 @@ def test_a_torn_checkpoint_is_passed_over_for_the_previous_complete_one(tmp_path
     assert torn == [str(run / f"checkpoint_2026-11-26_{stamp}.000000") for stamp in ("10-01-00", "10-02-00")]
 
 
-SLOW = pytest.mark.slow  # about a minute each on 2 cores: the default suite keeps "right after a checkpoint"
+SLOW = pytest.mark.slow  # about a minute each on 2 cores: the default suite keeps "right after a checkpoint, torn"
+TORN = "right after a checkpoint, torn"
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("point", [pytest.param("before the first checkpoint", marks=SLOW), "right after a checkpoint",
-                                   pytest.param("during the export", marks=SLOW),
-                                   pytest.param("a torn checkpoint", marks=SLOW)])
+@pytest.mark.parametrize("point", [pytest.param("before the first checkpoint", marks=SLOW), TORN,
+                                   pytest.param("during the export", marks=SLOW)])
 def test_kill_9_during_pretraining_resumes_from_the_last_complete_checkpoint(tmp_path, ray_tmp, point):
+    """The resume point is the newest complete checkpoint a kill -9 left. Right after a checkpoint, the newest one is
+    also torn (its rank-1 file cut short, as a crash mid-upload leaves it): the rerun says so and resumes from the
+    one before (that an untorn newest one is taken: test_a_torn_checkpoint_is_passed_over_for_the_previous_...)."""
     args = _synthetic_pretrain(tmp_path)
     workdir = tmp_path / "w"
     proc = start(tmp_path, args, ray_tmp)
     if point == "before the first checkpoint":
         kill_when(proc, ray_tmp, lambda: (workdir / "pretrain" / "deepspeed_config.json").exists())
-    elif point in ("right after a checkpoint", "a torn checkpoint"):
+    elif point == TORN:
         kill_when(proc, ray_tmp, lambda: _steps_of_checkpoints(workdir) and _steps_of_checkpoints(workdir)[-1] >= 40)
-    else:
-        kill_when(proc, ray_tmp, lambda: any((workdir / "pretrain" / "export").glob("*")))
-    if point == "a torn checkpoint":  # the newest checkpoint's rank-1 file cut short
         newest = sorted(d for d in (workdir / "ray_results").rglob("checkpoint_*") if d.is_dir())[-1]
         for shard in newest.rglob("zero_pp_rank_1_*"):
             shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        kill_when(proc, ray_tmp, lambda: any((workdir / "pretrain" / "export").glob("*")))
     before = _steps_of_checkpoints(workdir)
     done, seconds = rerun(tmp_path, args, ray_tmp)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    if point == "a torn checkpoint":
+    if point == TORN:
         said = [line for line in done.stdout.splitlines() if "the newest checkpoint is incomplete" in line]
         assert len(said) == 1 and "resuming from the step-" in said[0], done.stdout
         before = before[:-1]  # the torn one is no resume point
