@@ -1,5 +1,5 @@
-"""No test is left that no command runs: CI (.ci/run) runs `make test`, `make test-slow` runs the rest, and the two
-targets' marker selections together cover every test, once."""
+"""No test is left that no command runs: CI (.ci/run) runs `make test` and `make test-slow`, and the two targets'
+marker selections together cover every test, once."""
 from __future__ import annotations
 
 import re
@@ -17,10 +17,11 @@ def _pytest_marker_expression(target: str) -> str:
     return found.group(1).strip('"')
 
 
-def test_ci_runs_the_fast_tier():
+def test_ci_runs_both_tiers_the_readme_command_first():
     steps = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
              if line.strip() and not line.startswith(("#", "set ", "cd "))]
-    assert "make test" in steps, steps
+    assert "make test" in steps and "make test-slow" in steps, steps
+    assert steps.index("make test") == 0, steps
 
 
 def test_the_two_tiers_together_select_every_test_once():
