@@ -46,9 +46,9 @@ with eh.process_group():
     started = time.perf_counter()
     train(w, cfg, batches)
     seconds = time.perf_counter() - started + cache.load_s
-if not {load!r}:
-    cache.write({folder!r})
-print(json.dumps({{"s": seconds, "graphs": counters["stats"]["unique_graphs"],
+wrote = cache.write({folder!r}) if not {load!r} else None
+print(json.dumps({{"s": seconds, "graphs": counters["stats"]["unique_graphs"], "loaded": cache.loaded, "wrote": wrote,
+                  "first": padded[start],
                   "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"],
                   "lengths": sorted(set(round_up(max(len(r) for r in b["input_ids"]), 8) for b in batches))}}))
@@ -56,6 +56,9 @@ print(json.dumps({{"s": seconds, "graphs": counters["stats"]["unique_graphs"],
 
 
 def one_process(dynamic: bool, load: bool, folder: Path, first: int, cache_dir: Path) -> dict:
+    """3 compiled steps from the first micro-batch padded to `first` tokens on, in a process whose inductor cache is
+    `cache_dir`: after loading `folder`'s compile cache (`load`), or writing it there. Also the slow test's set-up
+    (tests/test_fast_restarts.py)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO / "tests")}
     code = ONE_PROCESS.format(tests=str(REPO / "tests"), dynamic=dynamic, load=load, folder=str(folder), first=first)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)

@@ -8,11 +8,9 @@ fresh inductor cache directory stands for a fresh node); then a real restart on 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,6 @@ import pytest
 from bertpipe.jobs.pretrain.checkpointing import compile_cache
 from bertpipe.jobs.pretrain.checkpointing.folders import CKPT_TAG, STATE_FILE, deepspeed_files, survey
 from bertpipe.jobs.pretrain.config import PretrainConfig
-from bertpipe.jobs.pretrain.data.masking import MaskingSpec, round_up
 from bertpipe.jobs.pretrain.metrics import restart
 from bertpipe.jobs.pretrain.attempt_clock import AttemptStamp
 
@@ -93,59 +90,28 @@ def test_a_checkpoint_an_upload_left_short_of_any_deepspeed_file_is_torn(tmp_pat
 
 # One process compiles and saves the artifacts beside a checkpoint; a second, with a fresh empty inductor cache
 # directory (a fresh node), loads them and compiles: every inductor graph is a cache hit, although its first batch
-# has another length than the first one's had (a restart resumes wherever the data is). Processes of their own:
+# has another length than the first one's had (a restart resumes wherever the data is). Processes of their own
+# (benchmarks/bench_compile_lengths.py's, which measures the same with and without the product's dynamic length):
 # dynamo's and inductor's in-memory caches cannot be emptied reliably within one.
-COMPILE_AND_SAVE = """
-import json, os, sys, time
-sys.path.insert(0, {tests!r})
-import torch
-from torch._dynamo.utils import counters
-import engine_helpers as eh
-from test_step_path import config, train
-from bertpipe.jobs.pretrain.checkpointing.compile_cache import CompileCache
-torch.set_num_threads(1)
-cache = CompileCache()
-if {load!r}:
-    cache.read({folder!r})
-cfg = config(compile=True, max_steps=2, log_every_steps=2)
-batches = eh.raw_batches(16, 4, 32)[{first}:{first} + 8]
-with eh.process_group():
-    w = eh.worker(cfg)
-    started = time.perf_counter()
-    train(w, cfg, batches)
-    seconds = time.perf_counter() - started + cache.load_s
-wrote = cache.write({folder!r}) if not {load!r} else None
-inductor = counters["inductor"]
-print(json.dumps({{"hits": inductor["fxgraph_cache_hit"], "misses": inductor["fxgraph_cache_miss"],
-                  "loaded": cache.loaded, "wrote": wrote, "s": seconds,
-                  "lengths": [max(len(r) for r in b["input_ids"]) for b in batches]}}))
-"""
-
-
-def compile_in_a_fresh_process(folder: Path, load: bool, cache_dir: Path, first: int) -> dict:
-    """Trains 2 steps of 4 micro-batches from micro-batch `first` of a fixed list on."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(HERE)}
-    done = subprocess.run([sys.executable, "-c", COMPILE_AND_SAVE.format(tests=str(HERE), load=load,
-                                                                        folder=str(folder), first=first)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+_spec = importlib.util.spec_from_file_location("bench_compile_lengths",
+                                               HERE.parent / "benchmarks" / "bench_compile_lengths.py")
+compile_lengths = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compile_lengths)
 
 
 @pytest.mark.slow  # two processes each compile the model on CPU: over 2 min beside another test on 2 cores
 def test_the_compile_cache_beside_a_checkpoint_makes_a_fresh_node_hit_instead_of_compiling(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
-    cold = compile_in_a_fresh_process(checkpoint, load=False, cache_dir=tmp_path / "node-a", first=0)
+    cold = compile_lengths.one_process(True, False, checkpoint, 32, tmp_path / "node-a")
     assert cold["wrote"] and cold["misses"] > 0 and cold["hits"] == 0
     assert (checkpoint / compile_cache.CACHE_FILE).stat().st_size > 0
-    # the restart resumes at micro-batch 6, the list's first shorter one: padded to 24 tokens, not 32
-    warm = compile_in_a_fresh_process(checkpoint, load=True, cache_dir=tmp_path / "node-b", first=6)
-    m = MaskingSpec.pad_to_multiple_of
-    assert round_up(warm["lengths"][0], m) != round_up(cold["lengths"][0], m), (cold, warm)
+    # the restart resumes on a shorter micro-batch: padded to 24 tokens, not 32
+    warm = compile_lengths.one_process(True, True, checkpoint, 24, tmp_path / "node-b")
+    assert warm["first"] != cold["first"], (cold, warm)
     # every graph the warm process compiled was a hit
     assert warm["loaded"] and warm["hits"] > 0 and warm["misses"] == 0, (cold, warm)
-    print(f"\ncompile and 2 steps (s): cold {cold['s']:.1f}, warm {warm['s']:.1f} (the cache's load included)")
+    print(f"\ncompile and 3 steps (s): cold {cold['s']:.1f}, warm {warm['s']:.1f} (the cache's load included)")
     # (a damaged file loads nothing: test_the_compile_cache_file_carries_the_kernels_..., without a third compile)
 
 
