@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import tempfile
@@ -229,6 +230,7 @@ def run_once(inputs: Path, home: Path, args, chaos: bool, workers: str) -> dict:
     db = home / "w" / "mlflow.db"
     parts = {name: mlflow_series(db, f"restart/{name}") for name in RESTART_PARTS}
     stalls = [v for _, _, v in mlflow_series(db, "checkpoint/stall_s")]
+    uploads = [v for _, _, v in mlflow_series(db, "checkpoint/upload_s")]
     sizes = [int(v) for _, _, v in mlflow_series(db, "train/world_size")]
     resizes = resize_lines(lines)
     return {"workers": workers, "wall_s": wall, "train_s": training_span(points, args.steps),
@@ -236,7 +238,7 @@ def run_once(inputs: Path, home: Path, args, chaos: bool, workers: str) -> dict:
             "events": events, "restarts": restarts(resizes, events, points, parts),
             "redone_steps": sum(r["reached"] - r["resumed"] for r in resizes),
             "world_sizes": [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]],
-            "checkpoint_stall_s": stalls,
+            "checkpoint_stall_s": stalls, "checkpoint_upload_s": uploads,
             "console": [line.strip() for line in console.splitlines() if "pretrain:" in line]}
 
 
@@ -299,6 +301,8 @@ def summary_table(base: dict, chaos: dict, noise: dict | None, label: str) -> st
             ("world size, in turn", " → ".join(map(str, base["world_sizes"])),
              " → ".join(map(str, chaos["world_sizes"]))),
             ("checkpoint stall, mean / max s (`checkpoint/stall_s`)", _stalls(base), _stalls(chaos)),
+            ("checkpoint upload, mean / max s (`checkpoint/upload_s`)", _stalls(base, "checkpoint_upload_s"),
+             _stalls(chaos, "checkpoint_upload_s")),
             ("final loss (last logged window)", _s(_final(base), "{:.3f}"), _s(_final(chaos), "{:.3f}")),
             ("largest loss difference at equal steps (vs undisturbed)", "0", _gap(gap, len(base_loss)))]
     if noise_gap is not None:  # the same run on another fixed worker count: the same math in another float order
@@ -332,8 +336,8 @@ def _gap(gap: tuple[int, float] | None, steps: int) -> str:
     return f"{gap[1]:.3f} (step {gap[0]})" if gap[1] else f"0 (identical at all {steps} logged steps)"
 
 
-def _stalls(run: dict) -> str:
-    stalls = run["checkpoint_stall_s"]
+def _stalls(run: dict, series: str = "checkpoint_stall_s") -> str:
+    stalls = run.get(series) or []
     return f"{sum(stalls) / len(stalls):.2f} / {max(stalls):.2f}" if stalls else "–"
 
 
@@ -360,7 +364,8 @@ def report(a: dict, base: dict, noise: dict | None, chaos: dict) -> str:
     label = f"a node killed every {a['kill_every']:g} s ({a['kills']}×), {back}"
     return (f"tiny preset, {a['steps']} steps of {GLOBAL} sequences (seq 32), pretrain.num_workers={a['workers']}, "
             f"{a['nodes']} 1-CPU nodes, checkpoint every {a['checkpoint_every']} steps, elastic_resize_check_s "
-            f"{a['resize_check_s']:g}; Ray's node health checks at their defaults ({HEALTH_CHECKS})\n\n"
+            f"{a['resize_check_s']:g}, Ray Train's report poll {a.get('report_poll_s', 2.0):g} s; Ray's node health "
+            f"checks at their defaults ({HEALTH_CHECKS})\n\n"
             + summary_table(base, chaos, noise, label) + "\n\n" + restart_table(chaos)
             + "\n\nconsole lines:\n" + "\n".join(f"    {line}" for line in chaos["console"]))
 
@@ -406,6 +411,9 @@ def main() -> None:
                      if args.noise_workers else None)
         chaos = run_once(root / "inputs", root / "chaos", args, True, args.workers)
 
+    from bertpipe.jobs.pretrain.controller_env import REPORT_POLL_ENV, REPORT_POLL_S
+
+    args.report_poll_s = float(os.environ.get(REPORT_POLL_ENV, REPORT_POLL_S))  # what the runs' controller had
     text = report(vars(args), base, noise, chaos)
     print(text)
     if args.json:

@@ -22,7 +22,6 @@ What is added to Ray's policy:
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -138,14 +137,6 @@ class ElasticTorchTrainer(TorchTrainer):
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         controller_init_kwargs["scaling_policy"] = WholeBatchScalingPolicy(self.scaling_config, self.worlds)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-
-START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train hands it from the driver to its controller
-
-
-def set_start_timeout(seconds: float) -> None:
-    """Ray Train's worker-group start timeout for this driver's runs, unless the user set one."""
-    os.environ.setdefault(START_TIMEOUT_ENV, f"{seconds:g}")
 
 
 def worlds_line(cfg: PretrainConfig) -> str:

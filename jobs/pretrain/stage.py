@@ -32,6 +32,7 @@ from bertpipe.jobs.pretrain.init import describe_raw_inputs  # noqa: F401 - the 
 from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
 from bertpipe.jobs.pretrain.checkpointing.folders import state_of, step_of, survey, take_stop_reason
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, layout_warning
+from bertpipe.jobs.pretrain.controller_env import controller_env
 from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.loop import train_loop_per_worker
 from bertpipe.jobs.pretrain.data.masking import COLUMNS
@@ -274,11 +275,9 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
     from ray.train.torch import TorchTrainer
 
     from bertpipe.jobs.pretrain.attempt_clock import AttemptClock
-    from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer, set_start_timeout
+    from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer
 
     cfg = spec.pretrain
-    if cfg.elastic:
-        set_start_timeout(cfg.elastic_start_timeout_s)
     kind = (functools.partial(ElasticTorchTrainer, worlds=cfg.whole_batch_worlds()) if cfg.elastic
             else TorchTrainer)
     return kind(
@@ -295,6 +294,12 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
         # preserve_order makes the streaming split deterministic (which rows reach which worker, in which
         # order): the precondition for resuming by skipping a known number of batches.
         dataset_config=ray.train.DataConfig(execution_options=ExecutionOptions(preserve_order=True)))
+
+
+def fit(spec: WorkerSpec, datasets: dict[str, Any]):
+    """Ray Train's run of the workers, with the controller settings of controller_env.py; its Result."""
+    with controller_env(spec.pretrain):
+        return trainer(spec, datasets).fit()
 
 
 MODEL_DESCRIPTION = unwrap(f"""
@@ -453,7 +458,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         progress.set(0, doing=f"starting {workers_text(cfg)} Ray Train workers")
         early_baselines = driver_side.submit(final_baselines, ctx, cfg, spec.vocab_tokens)
         try:
-            result = trainer(dataclasses.replace(spec, progress=progress), datasets).fit()
+            result = fit(dataclasses.replace(spec, progress=progress), datasets)
         except SystemExit as exc:
             # Ray Train's controller answers Ctrl-C by aborting the run and sys.exit(0): a user's interrupt, and
             # the CLI must end it as one (exit 130, MLflow runs KILLED), not as a success.
