@@ -6,7 +6,7 @@ as it was afterwards) and only where the user set none.
   holds one, and its single upload thread waits on that queue before it uploads the next checkpoint. So with
   checkpoints more often than the poll, uploads fall behind the checkpoints written, and a restart resumes from the
   newest complete one, far behind: at Ray's 2 s, ~400 steps (24 s of training) on the multi-node rig with a
-  checkpoint every 1.2 s; at 0.5 s, 4-12 steps (benchmarks/README.md, "Goodput under chaos"). The poll is also how
+  checkpoint every 1.2 s; at 0.5 s, 4 to 71 (benchmarks/README.md, "Goodput under chaos"). The poll is also how
   the controller learns that a worker died or training ended. A poll is one small remote call per worker.
 - The worker-group start timeout of an elastic run (pretrain.elastic_start_timeout_s): elastic.py says why.
 """
