@@ -300,9 +300,10 @@ def summary_table(base: dict, chaos: dict, noise: dict | None, label: str) -> st
             ("steps redone", str(base["redone_steps"]), str(chaos["redone_steps"])),
             ("world size, in turn", " → ".join(map(str, base["world_sizes"])),
              " → ".join(map(str, chaos["world_sizes"]))),
-            ("checkpoint stall, mean / max s (`checkpoint/stall_s`)", _stalls(base), _stalls(chaos)),
-            ("checkpoint upload, mean / max s (`checkpoint/upload_s`)", _stalls(base, "checkpoint_upload_s"),
-             _stalls(chaos, "checkpoint_upload_s")),
+            ("checkpoint stall, mean / max s (`checkpoint/stall_s`)", _mean_max(base["checkpoint_stall_s"]),
+             _mean_max(chaos["checkpoint_stall_s"])),
+            ("checkpoint upload, mean / max s (`checkpoint/upload_s`)", _mean_max(base.get("checkpoint_upload_s")),
+             _mean_max(chaos.get("checkpoint_upload_s"))),
             ("final loss (last logged window)", _s(_final(base), "{:.3f}"), _s(_final(chaos), "{:.3f}")),
             ("largest loss difference at equal steps (vs undisturbed)", "0", _gap(gap, len(base_loss)))]
     if noise_gap is not None:  # the same run on another fixed worker count: the same math in another float order
@@ -336,9 +337,8 @@ def _gap(gap: tuple[int, float] | None, steps: int) -> str:
     return f"{gap[1]:.3f} (step {gap[0]})" if gap[1] else f"0 (identical at all {steps} logged steps)"
 
 
-def _stalls(run: dict, series: str = "checkpoint_stall_s") -> str:
-    stalls = run.get(series) or []
-    return f"{sum(stalls) / len(stalls):.2f} / {max(stalls):.2f}" if stalls else "–"
+def _mean_max(values: list[float] | None) -> str:
+    return f"{sum(values) / len(values):.2f} / {max(values):.2f}" if values else "–"
 
 
 def _final(run: dict) -> float | None:

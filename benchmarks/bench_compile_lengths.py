@@ -39,7 +39,7 @@ if {load!r}:
 batches = eh.raw_batches(40, 4, 32)
 padded = [round_up(max(len(r) for r in b["input_ids"]), MaskingSpec.pad_to_multiple_of) for b in batches]
 start = padded.index({first})
-batches = (batches[start:] + batches[:start])[:12]
+batches, padded = (batches[start:] + batches[:start])[:12], (padded[start:] + padded[:start])[:12]
 cfg = config(compile=True, max_steps=3, log_every_steps=3)
 with eh.process_group():
     w = eh.worker(cfg)
@@ -48,10 +48,10 @@ with eh.process_group():
     seconds = time.perf_counter() - started + cache.load_s
 wrote = cache.write({folder!r}) if not {load!r} else None
 print(json.dumps({{"s": seconds, "graphs": counters["stats"]["unique_graphs"], "loaded": cache.loaded, "wrote": wrote,
-                  "first": padded[start],
+                  "first": padded[0],
                   "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"],
-                  "lengths": sorted(set(round_up(max(len(r) for r in b["input_ids"]), 8) for b in batches))}}))
+                  "lengths": sorted(set(padded))}}))
 """
 
 
