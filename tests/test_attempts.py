@@ -151,23 +151,54 @@ def test_the_progress_line_shows_no_eta_while_the_work_cannot_know_one():
     assert shown.eta() is not None
 
 
-def test_a_status_of_the_attempt_before_is_not_told_again_after_a_restart_line(capsys):
-    """What the workers tell through the board (pipeline/framework/progress.py) and what the driver's watch tells
-    meet on one progress line: a status is printed once, when it is told, not again because another came between."""
+def board_and_watch():
+    """A console, the workers' board, and poll(): one poll of poll_board's (the board read, the driver's watch)."""
     from bertpipe.pipeline.framework.console import Console
-    from bertpipe.pipeline.framework.progress import _Board, statuses_told_since
+    from bertpipe.pipeline.framework.progress import _Board, poll_updates, statuses_told_since
 
     console = Console(live=True)
-    board, shown, seen = _Board(), console.progress("pretrain", 40, "steps"), 0
+    board, shown, seen = _Board(), console.progress("pretrain", 40, "steps"), [0]
     nodes = {"a": "10.0.0.1, 1 CPUs", "b": "10.0.0.2, 1 CPUs"}
     watch, _, clock = make_watch(nodes)
 
     def poll():
-        nonlocal seen
         count, fields = board.read("k")
-        fields, seen = statuses_told_since(fields, seen)
-        shown.set(count, **{**fields, **watch(count, fields)})
+        fields, seen[0] = statuses_told_since(fields, seen[0])
+        for update in poll_updates(fields, watch(count, fields)):
+            shown.set(count, **update)
         clock["now"] += 0.5
+
+    return console, board, poll, nodes
+
+
+def told_lines(capsys) -> list[str]:
+    return [line.removeprefix("  pretrain: ") for line in capsys.readouterr().out.splitlines()
+            if "/40 (" not in line]  # statuses only, not a heartbeat's progress line
+
+
+def test_a_restart_line_and_the_workers_first_status_in_one_poll_are_both_told(capsys):
+    """The driver tells the restart when the new attempt reports where it resumed; rank 0 tells where its start went
+    at its first step. When one poll of the board sees both, both lines are printed, the driver's first."""
+    console, board, poll, nodes = board_and_watch()
+    board.set("k", 0, {"attempt_started": 1.0, "resumed_from": 0})
+    poll()
+    for step in (10, 20, 30):
+        board.set("k", step, {})
+        poll()
+    del nodes["b"]
+    poll()
+    board.set("k", 20, {"attempt_started": 2.0, "resumed_from": 20})
+    board.set("k", 21, {"status": "restart (attempt 2) reached step 21 in 13.3 s"})
+    poll()
+    console.close()
+    assert told_lines(capsys) == ["a worker node (10.0.0.2, 1 CPUs) was lost at step 30; restarted from the step-20 "
+                                  "checkpoint, attempt 2 of 4", "restart (attempt 2) reached step 21 in 13.3 s"]
+
+
+def test_a_status_of_the_attempt_before_is_not_told_again_after_a_restart_line(capsys):
+    """What the workers tell through the board (pipeline/framework/progress.py) and what the driver's watch tells
+    meet on one progress line: a status is printed once, when it is told, not again because another came between."""
+    console, board, poll, nodes = board_and_watch()
 
     board.set("k", 0, {"attempt_started": 1.0, "resumed_from": 0, "status": "compiling the model"})
     poll()
@@ -187,8 +218,7 @@ def test_a_status_of_the_attempt_before_is_not_told_again_after_a_restart_line(c
     board.set("k", 21, {"status": "model compiled in 17 s"})
     poll()
     console.close()
-    said = [line.removeprefix("  pretrain: ") for line in capsys.readouterr().out.splitlines()
-            if "/40 (" not in line]  # statuses only, not a heartbeat's progress line
+    said = told_lines(capsys)
     assert said == ["compiling the model", "model compiled in 69 s",
                     "a worker node (10.0.0.2, 1 CPUs) was lost at step 30; restarted from the step-20 checkpoint, "
                     "attempt 2 of 4", "compiling the model", "model compiled in 17 s"], said

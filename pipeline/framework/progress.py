@@ -215,6 +215,16 @@ def new_board(job_id: str):
                                                   scheduling_strategy=where).remote()
 
 
+def poll_updates(fields: dict[str, Any], extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """What one poll sets on the progress line, in order: the board's fields under the watch's `extra`; when both
+    bring a status, the watch's line and then the workers' (a restart told by the driver as the restarted workers
+    report their first step: the one would hide the other)."""
+    merged = {**fields, **extra}
+    if extra.get("status") and fields.get("status") and fields["status"] != extra["status"]:
+        return [merged, {"status": fields["status"]}]
+    return [merged]
+
+
 @contextmanager
 def poll_board(board, key: str, shown: Progress,
                watch: Callable[[float, dict[str, Any]], dict[str, Any]] | None = None) -> Iterator[None]:
@@ -245,7 +255,8 @@ def poll_board(board, key: str, shown: Progress,
                     extra = watch(count, fields)
                 except Exception:  # noqa: BLE001
                     log.info("%s: the progress watch failed", desc, exc_info=True)
-            shown.set(count, **{**fields, **extra})
+            for update in poll_updates(fields, extra):
+                shown.set(count, **update)
 
     thread = threading.Thread(target=poll, name=f"progress-{desc}", daemon=True)
     thread.start()
