@@ -184,6 +184,38 @@ def test_a_restart_counts_only_the_nodes_whose_raylet_answers_and_a_running_grou
     assert policy._count_possible_workers(reserved) == 3 and len(asked) == 6
 
 
+def test_a_running_group_grows_while_it_trains_and_not_once_a_worker_reported_the_last_step():
+    """A node that joins while the workers evaluate, export and save the last checkpoint (the bench's back-after-30
+    run: "the cluster grew at step 1500: going on with 3 workers from the step-1500 checkpoint") would restart the
+    group to do all of that again."""
+    from types import SimpleNamespace
+
+    import ray.train
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+    from ray.train.v2._internal.execution.worker_group import WorkerGroupPollStatus, WorkerStatus
+
+    from bertpipe.jobs.pretrain.elastic import NodeProbe, WholeBatchScalingPolicy
+
+    policy = WholeBatchScalingPolicy(ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
+                                     worlds=[2, 3], last_step=30, probe=NodeProbe(addresses=dict))
+    policy._maybe_send_resource_request = lambda: None  # (Ray's autoscaling coordinator: not what is under test)
+    policy._get_reserved_resources = lambda: {node: {"CPU": 1.0} for node in "abc"}  # room for a third worker
+    group = SimpleNamespace(start_time=float("-inf"), num_workers=2)
+
+    def decide(*steps: int | None):
+        policy._latest_monitor_time = float("-inf")  # each call a resize check (Ray spaces them out in time)
+        status = WorkerGroupPollStatus({rank: WorkerStatus(running=True, training_report=None if step is None else
+                                                           _TrainingReport(None, {"step": step, "loss": 2.0}, False))
+                                        for rank, step in enumerate(steps)})
+        return policy.make_decision_for_running_worker_group(group, status)
+
+    assert isinstance(decide(None, None), ResizeDecision) and decide(None, None).num_workers == 3
+    assert isinstance(decide(20, 20), ResizeDecision)
+    assert isinstance(decide(30, 30), NoopDecision)  # the last step reported: the run is finishing
+    assert isinstance(decide(None, None), NoopDecision)  # and stays so between reports
+
+
 def test_a_raylet_answers_when_its_port_listens_and_not_once_it_is_closed():
     import socket
 

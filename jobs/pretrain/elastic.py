@@ -17,7 +17,9 @@ What is added to Ray's policy:
   is lost, before the cluster has declared the node dead (its health checks take ~15-30 s), and would otherwise size
   the group by the lost node's room and wait for it until the start times out;
 - a worker group that does not start within `pretrain.elastic_start_timeout_s` (sized by a node that is gone all
-  the same: one whose raylet still answered) is given up sooner than Ray Train's 60 s, and the next try counts again.
+  the same: one whose raylet still answered) is given up sooner than Ray Train's 60 s, and the next try counts again;
+- no resize once a worker has reported the run's last step: the workers are then evaluating, exporting and saving
+  the last checkpoint, and a group grown then would restart from that checkpoint to do all of it again.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Callable
 
 import ray
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, NoopDecision
 from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
     AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
 )
@@ -85,15 +87,31 @@ class NodeProbe:
         return self._silent
 
 
+def reported_steps(worker_group_status) -> list[int]:
+    """The steps of the reports in one poll of the workers (each checkpoint is reported with its step)."""
+    return [int(s.training_report.metrics["step"]) for s in worker_group_status.worker_statuses.values()
+            if s.training_report is not None and isinstance(s.training_report.metrics.get("step"), (int, float))]
+
+
 class WholeBatchScalingPolicy(ElasticScalingPolicy):
     """Ray Train's elastic policy, counting only the worker counts that split the global batch exactly, and, when
-    it (re)starts the worker group, only the nodes whose raylet answers."""
+    it (re)starts the worker group, only the nodes whose raylet answers; a running group is not resized once it has
+    reported `last_step`."""
 
-    def __init__(self, scaling_config, worlds: list[int], probe: NodeProbe | None = None):
+    def __init__(self, scaling_config, worlds: list[int], last_step: int | None = None,
+                 probe: NodeProbe | None = None):
         super().__init__(scaling_config)
         self.worlds = worlds
+        self.last_step = last_step
+        self.reached = 0  # the highest step reported so far
         self.probe = probe or NodeProbe()
         self._starting = False  # inside the decision for a group not running: a start or a restart
+
+    def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+        self.reached = max([self.reached, *reported_steps(worker_group_status)])
+        if self.last_step is not None and self.reached >= self.last_step:
+            return NoopDecision()  # training is over (the module's docstring)
+        return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
 
     def make_decision_for_non_running_worker_group(self):
         self._starting = True
@@ -130,12 +148,13 @@ class WholeBatchScalingPolicy(ElasticScalingPolicy):
 class ElasticTorchTrainer(TorchTrainer):
     """A TorchTrainer whose elastic scaling policy is WholeBatchScalingPolicy (fit() builds Ray's own otherwise)."""
 
-    def __init__(self, *args, worlds: list[int], **kwargs):
+    def __init__(self, *args, worlds: list[int], last_step: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.worlds = worlds
+        self.worlds, self.last_step = worlds, last_step
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["scaling_policy"] = WholeBatchScalingPolicy(self.scaling_config, self.worlds)
+        controller_init_kwargs["scaling_policy"] = WholeBatchScalingPolicy(self.scaling_config, self.worlds,
+                                                                           self.last_step)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 

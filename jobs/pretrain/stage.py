@@ -278,8 +278,8 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
     from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer
 
     cfg = spec.pretrain
-    kind = (functools.partial(ElasticTorchTrainer, worlds=cfg.whole_batch_worlds()) if cfg.elastic
-            else TorchTrainer)
+    kind = (functools.partial(ElasticTorchTrainer, worlds=cfg.whole_batch_worlds(), last_step=cfg.max_steps)
+            if cfg.elastic else TorchTrainer)
     return kind(
         train_loop_per_worker, train_loop_config={"spec": spec},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
