@@ -148,6 +148,18 @@ def test_a_training_worker_s_logger_leaves_mlflow_s_imports_to_its_sender_s_thre
     assert steps_in_store(stage.client, stage.run_id, "loss") == [1, 2, 3]
 
 
+def test_a_run_logger_travels_to_another_process_and_logs_there(tmp_path):
+    """A RunLogger pickles (as a Ray task's argument would be), its client made again where it is used."""
+    import pickle
+
+    stage = start_workflow_run(f"sqlite:///{tmp_path}/mlflow.db", "e", "run", {}, {}).child("pretrain", {})
+    stage.log_metrics({"loss": 2.0}, 1)  # the original has made its client
+    copy = pickle.loads(pickle.dumps(stage))
+    copy.log_metrics({"loss": 1.0}, 2)
+    assert copy.active and steps_in_store(stage.client, stage.run_id, "loss") == [1, 2]
+    assert not pickle.loads(pickle.dumps(RunLogger(None))).active
+
+
 def test_a_full_buffer_keeps_the_newest_points_and_the_end_counts_what_was_lost(library_records):
     """Nothing listens at the URI: the points wait, the oldest are dropped past the buffer's size, and the end
     (its flush timeout on the sender's clock) says how many never arrived."""

@@ -262,6 +262,13 @@ class RunLogger:
         if self._active and background:
             self.sender = metric_sender(lambda: self.client, self.coordinates, tell)
 
+    def __getstate__(self) -> dict:
+        # A copy sent to another process makes its own client when it first needs one (a lock cannot travel).
+        return {**self.__dict__, "_client": None, "_client_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _client_lock=threading.Lock())
+
     @property
     def active(self) -> bool:
         return self._active
