@@ -111,62 +111,12 @@ def test_settings_travel_with_the_coordinates_to_a_background_logger(tmp_path):
     assert RunLogger(None, background=True).flush_metrics() == 0
 
 
-# A fresh process: which thread first imports MLflow, seen by a finder ahead of the others on sys.meta_path.
-FIRST_IMPORT = """
-import json, sys, threading
-first = {{}}
-class Watch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "mlflow" and not first:
-            first["thread"] = threading.current_thread().name
-        return None
-sys.meta_path.insert(0, Watch())
-from bertpipe.jobs.services.tracking import RunLogger
-worker = RunLogger(json.loads({coordinates!r}), background=True)
-made = "mlflow" in sys.modules
-for step in range(1, 4):
-    worker.log_metrics({{"loss": 1.0 / step}}, step)
-unsent = worker.flush_metrics()
-print(json.dumps({{"made_imported": made, "first_import": first.get("thread"), "unsent": unsent}}))
-"""
-
-
-def test_a_training_worker_s_logger_leaves_mlflow_s_imports_to_its_sender_s_thread(tmp_path):
-    """A worker's (re)start does not wait for MLflow's imports (a second or two of CPU): its background logger
-    imports MLflow in the sender's thread, at the first delivery, and the points arrive all the same."""
-    import json
-    import subprocess
-    import sys
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    stage = start_workflow_run(uri, "e", "run", {}, {}).child("pretrain", {})
-    code = FIRST_IMPORT.format(coordinates=json.dumps(stage.coordinates))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen == {"made_imported": False, "first_import": "bertpipe-mlflow-sender", "unsent": 0}, seen
-    assert steps_in_store(stage.client, stage.run_id, "loss") == [1, 2, 3]
-
-
-def test_a_run_logger_travels_to_another_process_and_logs_there(tmp_path):
-    """A RunLogger pickles (as a Ray task's argument would be), its client made again where it is used."""
-    import pickle
-
-    stage = start_workflow_run(f"sqlite:///{tmp_path}/mlflow.db", "e", "run", {}, {}).child("pretrain", {})
-    stage.log_metrics({"loss": 2.0}, 1)  # the original has made its client
-    copy = pickle.loads(pickle.dumps(stage))
-    copy.log_metrics({"loss": 1.0}, 2)
-    assert copy.active and steps_in_store(stage.client, stage.run_id, "loss") == [1, 2]
-    assert not pickle.loads(pickle.dumps(RunLogger(None))).active
-
-
 def test_a_full_buffer_keeps_the_newest_points_and_the_end_counts_what_was_lost(library_records):
     """Nothing listens at the URI: the points wait, the oldest are dropped past the buffer's size, and the end
     (its flush timeout on the sender's clock) says how many never arrived."""
     clock, lines = FakeClock(), []
     coordinates = {"tracking_uri": closed_port_uri(), "run_id": "0" * 32, "buffer_points": "10"}
-    client = MlflowClient(coordinates["tracking_uri"])
-    sender = metric_sender(lambda: client, coordinates, lines.append, clock=clock)
+    sender = metric_sender(MlflowClient(coordinates["tracking_uri"]), coordinates, lines.append, clock=clock)
     for step in range(1, 9):  # 16 points into a buffer of 10
         clock.advance(1.0)
         sender.put(points(step))
@@ -240,7 +190,7 @@ def test_logging_goes_on_while_the_server_hangs_or_is_gone(up, library_records):
     lines: list[str] = []
     coordinates = new_run(server)
     client = MlflowClient(server.uri)
-    sender = metric_sender(lambda: client, coordinates, lines.append, backoff_s=(0.2, 1.0))
+    sender = metric_sender(client, coordinates, lines.append, backoff_s=(0.2, 1.0))
     order = record_order(sender)
     sender.put(points(1))
     wait_until(lambda: sender.delivered == 2, "the first points delivered", 120)
@@ -290,8 +240,8 @@ def test_a_ten_minute_outage_on_a_fake_clock(up):
     clock, small_clock, lines, small_lines = FakeClock(), FakeClock(), [], []
     client = MlflowClient(server.uri)
     big_run, small_run = new_run(server), new_run(server, buffer_points="100")
-    big = metric_sender(lambda: client, big_run, lines.append, clock=clock)
-    small = metric_sender(lambda: client, small_run, small_lines.append, clock=small_clock)
+    big = metric_sender(client, big_run, lines.append, clock=clock)
+    small = metric_sender(client, small_run, small_lines.append, clock=small_clock)
     order = record_order(big)
     for sender in (big, small):
         sender.put(points(0))
@@ -333,7 +283,7 @@ def test_a_batch_the_server_refuses_is_dropped_and_later_ones_still_go(up):
     lines: list[str] = []
     client = MlflowClient(server.uri)
     coordinates = new_run(server)
-    sender = metric_sender(lambda: client, coordinates, lines.append)
+    sender = metric_sender(client, coordinates, lines.append)
     sender.put([("", 1.0, 0, 1)])  # a metric without a name: the server answers 400 INVALID_PARAMETER_VALUE
     wait_until(lambda: sender.refused == 1, "the bad batch refused", 120)
     sender.put(points(2))

@@ -137,15 +137,14 @@ def _setting(coordinates: dict[str, str], key: str, default: float) -> float:
         return default
 
 
-def metric_sender(client_of: Callable[[], Any], coordinates: dict[str, str],
-                  tell: Callable[[str], None] | None = None, **options: Any) -> MetricSender:
-    """The MetricSender for the run at `coordinates` (its buffer sized by their buffer_points); `client_of()`: the
-    run's MlflowClient, asked for at the first delivery. Its requests, and only its, run without MLflow's retries:
-    MLflow retries a refused connection for minutes (7 tries with backoff) and logs each retry as a urllib3 warning;
-    the sender retries itself, with its own backoff, and stays quiet. `options` go to MetricSender (a test's clock
-    and backoff)."""
+def metric_sender(client, coordinates: dict[str, str], tell: Callable[[str], None] | None = None,
+                  **options: Any) -> MetricSender:
+    """The MetricSender for the run at `coordinates` (its buffer sized by their buffer_points). Its requests, and
+    only its, run without MLflow's retries: MLflow retries a refused connection for minutes (7 tries with backoff)
+    and logs each retry as a urllib3 warning; the sender retries itself, with its own backoff, and stays quiet.
+    `options` go to MetricSender (a test's clock and backoff)."""
     uri = coordinates["tracking_uri"]
-    sender = MetricSender(_batch_delivery(client_of, uri, coordinates["run_id"]),
+    sender = MetricSender(_batch_delivery(client, uri, coordinates["run_id"]),
                           int(_setting(coordinates, "buffer_points", BUFFER_POINTS)), batch=METRIC_BATCH,
                           where=f"the tracking server {mask(uri)}" if uri.startswith(("http:", "https:"))
                           else f"the tracking store {mask(uri)}", tell=tell, final=_refused_for_good,
@@ -154,28 +153,14 @@ def metric_sender(client_of: Callable[[], Any], coordinates: dict[str, str],
     return sender
 
 
-def _batch_delivery(client_of: Callable[[], Any], tracking_uri: str, run_id: str) -> Callable[[list], None]:
-    """deliver(points) for a MetricSender, made at its first call: MLflow's imports (a second or two of CPU) happen
-    in the sender's thread when the first points go, not when a training worker starts."""
-    made: list[Callable[[list], None]] = []
-
-    def deliver(points: list) -> None:
-        if not made:
-            made.append(_delivery(client_of, tracking_uri, run_id))
-        made[0](points)
-
-    return deliver
-
-
-def _delivery(client_of: Callable[[], Any], tracking_uri: str, run_id: str) -> Callable[[list], None]:
-    """deliver(points): one log_batch of (key, value, timestamp, step) points. To a tracking server, the REST request
-    MlflowClient.log_batch makes, sent as check_server sends its own: no retries, a SENDER_REQUEST_TIMEOUT_S timeout
-    (MlflowClient takes neither per call, only from environment variables that would change every other MLflow call
-    of the process too). To a local store (SQLite, files), client.log_batch."""
+def _batch_delivery(client, tracking_uri: str, run_id: str) -> Callable[[list], None]:
+    """deliver(points) for a MetricSender: one log_batch of (key, value, timestamp, step) points. To a tracking
+    server, the REST request MlflowClient.log_batch makes, sent as check_server sends its own: no retries, a
+    SENDER_REQUEST_TIMEOUT_S timeout (MlflowClient takes neither per call, only from environment variables that
+    would change every other MLflow call of the process too). To a local store (SQLite, files), client.log_batch."""
     from mlflow.entities import Metric
 
     if not tracking_uri.startswith(("http://", "https://")):
-        client = client_of()
         return lambda points: client.log_batch(run_id, metrics=[Metric(*p) for p in points])
     from mlflow.protos.service_pb2 import LogBatch
     from mlflow.utils.credentials import get_default_host_creds
@@ -255,34 +240,15 @@ class RunLogger:
                  tell: Callable[[str], None] | None = None):
         self.coordinates = dict(coordinates or {})
         self.run_id = self.coordinates.get("run_id", "")
-        self._active = enabled and bool(self.coordinates.get("tracking_uri")) and bool(self.run_id)
-        self._client: Any = None
-        self._client_lock = threading.Lock()  # the sender's thread and the caller's may ask first at once
+        active = enabled and bool(self.coordinates.get("tracking_uri")) and bool(self.run_id)
+        self.client = _client(self.coordinates["tracking_uri"]) if active else None
         self.sender: MetricSender | None = None
-        if self._active and background:
-            self.sender = metric_sender(lambda: self.client, self.coordinates, tell)
-
-    def __getstate__(self) -> dict:
-        # A copy sent to another process makes its own client when it first needs one (a lock cannot travel).
-        return {**self.__dict__, "_client": None, "_client_lock": None}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _client_lock=threading.Lock())
+        if active and background:
+            self.sender = metric_sender(self.client, self.coordinates, tell)
 
     @property
     def active(self) -> bool:
-        return self._active
-
-    @property
-    def client(self):
-        """The run's MlflowClient, made at its first use (None when inactive): a background logger that only logs
-        metrics leaves MLflow's imports to its sender's thread, off a training worker's (re)start."""
-        if not self._active:
-            return None
-        with self._client_lock:
-            if self._client is None:
-                self._client = _client(self.coordinates["tracking_uri"])
-            return self._client
+        return self.client is not None
 
     def child(self, run_name: str, tags: dict[str, str]) -> "RunLogger":
         """A nested run below this one (inactive if this one is)."""
@@ -309,14 +275,14 @@ class RunLogger:
         """Finite numbers only (NaN/inf and non-numbers are dropped), at `step` (0 when None)."""
         if not self.active:
             return
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         points = [(k, float(v), now, step or 0) for k, v in metrics.items()
                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
         if self.sender is not None:
             self.sender.put(points)
             return
-        from mlflow.entities import Metric
-
         items = [Metric(*p) for p in points]
         for i in range(0, len(items), METRIC_BATCH):
             self.client.log_batch(self.run_id, metrics=items[i:i + METRIC_BATCH])
@@ -473,7 +439,7 @@ class SystemMetrics:
         self.sampler = SystemMetricsMonitor(run.run_id, sampling_interval=interval_s,
                                             tracking_uri=run.coordinates["tracking_uri"])
         self.sampler.mlflow_logger = self  # its publish_metrics() hands each aggregate to record_metrics below
-        self.sender = metric_sender(lambda: run.client, run.coordinates)
+        self.sender = metric_sender(run.client, run.coordinates)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bertpipe-system-metrics", daemon=True)
         self._thread.start()
