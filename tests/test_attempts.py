@@ -171,6 +171,14 @@ def board_and_watch():
     return console, board, poll, nodes
 
 
+def train_to_step_30_then_lose_node_b(board, poll, nodes) -> None:
+    for step in (10, 20, 30):
+        board.set("k", step, {})
+        poll()
+    del nodes["b"]
+    poll()
+
+
 def told_lines(capsys) -> list[str]:
     return [line.removeprefix("  pretrain: ") for line in capsys.readouterr().out.splitlines()
             if "/40 (" not in line]  # statuses only, not a heartbeat's progress line
@@ -182,11 +190,7 @@ def test_a_restart_line_and_the_workers_first_status_in_one_poll_are_both_told(c
     console, board, poll, nodes = board_and_watch()
     board.set("k", 0, {"attempt_started": 1.0, "resumed_from": 0})
     poll()
-    for step in (10, 20, 30):
-        board.set("k", step, {})
-        poll()
-    del nodes["b"]
-    poll()
+    train_to_step_30_then_lose_node_b(board, poll, nodes)
     board.set("k", 20, {"attempt_started": 2.0, "resumed_from": 20})
     board.set("k", 21, {"status": "restart (attempt 2) reached step 21 in 13.3 s"})
     poll()
@@ -199,16 +203,11 @@ def test_a_status_of_the_attempt_before_is_not_told_again_after_a_restart_line(c
     """What the workers tell through the board (pipeline/framework/progress.py) and what the driver's watch tells
     meet on one progress line: a status is printed once, when it is told, not again because another came between."""
     console, board, poll, nodes = board_and_watch()
-
     board.set("k", 0, {"attempt_started": 1.0, "resumed_from": 0, "status": "compiling the model"})
     poll()
     board.set("k", 0, {"status": "model compiled in 69 s"})
     poll()
-    for step in (10, 20, 30):
-        board.set("k", step, {})
-        poll()
-    del nodes["b"]
-    poll()
+    train_to_step_30_then_lose_node_b(board, poll, nodes)
     board.set("k", 20, {"attempt_started": 2.0, "resumed_from": 20})  # the new attempt; its board entry is the old
     poll()
     poll()
