@@ -14,6 +14,7 @@ from bertpipe.jobs.pretrain.engine import zero_fast_paths
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, bert_config
 from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
+from bertpipe.jobs.pretrain.engine.muon_import import import_muon_compiling_at_first_call
 from bertpipe.jobs.pretrain.engine.optim import make_optimizer, make_scheduler
 from bertpipe.model.training import param_groups
 
@@ -51,6 +52,7 @@ def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, s
     import deepspeed
 
     skip_inference_comm_op()
+    import_muon_compiling_at_first_call()  # before deepspeed.initialize's ZeRO check imports it, with inductor
     model = build_model(model_cfg, vocab_size, seed, cfg.init, init_config)
     if cfg.optimizer_impl == "torch":
         optimizer, params = make_optimizer(cfg, model), None
