@@ -91,11 +91,10 @@ def fp32_weights(engine) -> dict[str, torch.Tensor]:
 
 def worker(rank: int, port: int, zero_stage: int, precision: str, out: str) -> None:
     """One rank: DeepSpeed + our Lamb + attach_lamb_layouts, STEPS steps; rank 0 saves the fp32 weights."""
-    import deepspeed
     import torch.distributed as dist
 
     from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
-    from bertpipe.jobs.pretrain.engine.build import skip_inference_comm_op
+    from bertpipe.jobs.pretrain.engine.deepspeed_start import start_deepspeed
     from bertpipe.jobs.pretrain.engine.optim import Lamb
     from bertpipe.model.training import param_groups
 
@@ -103,7 +102,7 @@ def worker(rank: int, port: int, zero_stage: int, precision: str, out: str) -> N
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    skip_inference_comm_op()  # as the product's build_engine: no 50 s JIT build of an inference-only op
+    deepspeed = start_deepspeed()  # as the product's build_engine: no 50 s JIT build of an inference-only op
     model = make_model()
     engine, *_ = deepspeed.initialize(model=model, optimizer=Lamb(param_groups(model, 0.01), lr=LR),
                                       config=ds_config(zero_stage, precision), dist_init_required=False)

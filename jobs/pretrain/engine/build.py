@@ -13,8 +13,8 @@ import torch
 from bertpipe.jobs.pretrain.engine import zero_fast_paths
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, bert_config
 from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
+from bertpipe.jobs.pretrain.engine.deepspeed_start import start_deepspeed
 from bertpipe.jobs.pretrain.engine.lamb_layout import attach_lamb_layouts
-from bertpipe.jobs.pretrain.engine.muon_import import import_muon_compiling_at_first_call
 from bertpipe.jobs.pretrain.engine.optim import make_optimizer, make_scheduler
 from bertpipe.model.training import param_groups
 
@@ -49,10 +49,7 @@ def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, s
                  init_config: dict | None = None) -> tuple[DeepSpeedEngine, LambdaLR]:
     """The DeepSpeed engine and LR scheduler of one worker (torch.distributed already initialised). With
     pretrain.init set, the model starts from that checkpoint's weights (`init_config`: its config.json)."""
-    import deepspeed
-
-    skip_inference_comm_op()
-    import_muon_compiling_at_first_call()  # before deepspeed.initialize's ZeRO check imports it, with inductor
+    deepspeed = start_deepspeed()  # without what a run does not use (engine/deepspeed_start.py)
     model = build_model(model_cfg, vocab_size, seed, cfg.init, init_config)
     if cfg.optimizer_impl == "torch":
         optimizer, params = make_optimizer(cfg, model), None
@@ -71,14 +68,3 @@ def build_engine(cfg: PretrainConfig, model_cfg: ModelConfig, vocab_size: int, s
 
 def compile_enabled(cfg: PretrainConfig) -> bool:
     return cfg.use_gpu if cfg.compile is None else cfg.compile
-
-
-def skip_inference_comm_op() -> None:
-    """Tell DeepSpeed not to build its shared-memory communication op (`deepspeed_shm_comm`). Its communication
-    backend JIT-compiles the op at start-up on a CPU machine, though only `inference_all_reduce` (tensor-parallel
-    inference) calls it; training reduces through torch.distributed. The build is a C++ compile of a minute or more,
-    once per machine and again whenever the environment's path changes (a new venv, a fresh clone), since the build
-    file records the include paths. `deepspeed.ops.__compatible_ops__` is the one dict DeepSpeed reads to decide."""
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
