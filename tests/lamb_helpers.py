@@ -102,7 +102,7 @@ def worker(rank: int, port: int, zero_stage: int, precision: str, out: str) -> N
                       WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    deepspeed = start_deepspeed()  # as the product's build_engine: no 50 s JIT build of an inference-only op
+    deepspeed = start_deepspeed()  # as the product's build_engine starts it (engine/deepspeed_start.py)
     model = make_model()
     engine, *_ = deepspeed.initialize(model=model, optimizer=Lamb(param_groups(model, 0.01), lr=LR),
                                       config=ds_config(zero_stage, precision), dist_init_required=False)
