@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 ONE_PROCESS = """
-import json, sys, time
+import json, os, sys, time
 sys.path.insert(0, {tests!r})
 import torch
 from torch._dynamo.utils import counters
@@ -31,6 +31,14 @@ from test_step_path import config, train
 from bertpipe.jobs.pretrain.checkpointing.compile_cache import CompileCache
 from bertpipe.jobs.pretrain.data.masking import MaskingSpec, round_up
 torch.set_num_threads(1)
+from torch._inductor import cpp_builder
+built = []  # the C++ libraries this process built (a fresh node whose cache was complete builds none)
+_build = cpp_builder.CppBuilder.build
+def counted_build(self):
+    result = _build(self)
+    built.append(os.path.basename(self.get_target_file_path()))
+    return result
+cpp_builder.CppBuilder.build = counted_build
 if not {dynamic!r}:
     torch._dynamo.maybe_mark_dynamic = lambda *args, **kwargs: None
 cache = CompileCache()
@@ -51,7 +59,7 @@ print(json.dumps({{"s": seconds, "graphs": counters["stats"]["unique_graphs"], "
                   "first": padded[0],
                   "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"],
-                  "lengths": sorted(set(padded))}}))
+                  "lengths": sorted(set(padded)), "built": built}}))
 """
 
 
@@ -81,12 +89,12 @@ def main() -> None:
             warm = one_process(dynamic, True, folder, 24, Path(tmp) / f"node-b-{dynamic}")
             rows[name] = {"cold": cold, "warm": warm}
     print("| forward | graphs compiled (cold) | cold: compile + 3 steps | warm, first batch of another length "
-          "| warm / cold | warm's inductor cache |")
-    print("|---|---|---|---|---|---|")
+          "| warm / cold | warm's inductor cache | C++ libraries built, cold / warm |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         cold, warm = r["cold"], r["warm"]
         print(f"| {name} | {cold['graphs']} | {cold['s']:.1f} s | {warm['s']:.1f} s | {warm['s'] / cold['s']:.2f} "
-              f"| {warm['hits']} hits, {warm['misses']} misses |")
+              f"| {warm['hits']} hits, {warm['misses']} misses | {len(cold['built'])} / {len(warm['built'])} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

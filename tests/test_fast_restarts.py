@@ -111,6 +111,10 @@ def test_the_compile_cache_beside_a_checkpoint_makes_a_fresh_node_hit_instead_of
     assert warm["first"] != cold["first"], (cold, warm)
     # every graph the warm process compiled was a hit
     assert warm["loaded"] and warm["hits"] > 0 and warm["misses"] == 0, (cold, warm)
+    # and it built no C++ library: neither a kernel nor inductor's ISA probes (the cold one built both)
+    assert any(b.endswith(".main.so") for b in cold["built"]) and any(
+        b.endswith(".so") and not b.endswith(".main.so") for b in cold["built"]), cold["built"]
+    assert not [b for b in warm["built"] if b.endswith(".so")], warm["built"]
     print(f"\ncompile and 3 steps (s): cold {cold['s']:.1f}, warm {warm['s']:.1f} (the cache's load included)")
     # (a damaged file loads nothing: test_the_compile_cache_file_carries_the_kernels_..., without a third compile)
 
@@ -207,7 +211,15 @@ def test_the_compile_cache_file_carries_the_kernels_to_their_place_and_refuses_a
     kernel.parent.mkdir(parents=True)
     kernel.write_bytes(b"\x7fELF a built kernel")
     checkpoint.mkdir()
+    # inductor's ISA probe, built beside the kernels; of these three only it is one
+    (node_a / "pr").mkdir()
+    (node_a / "pr" / "cprobe.cpp").write_text('extern "C" void __avx_chk_kernel() {}\n')
+    (node_a / "pr" / "cnotprobe.main.cpp").write_text('extern "C" void __avx_chk_kernel() {}\n')
+    (node_a / "pr" / "cbig.cpp").write_text('extern "C" void __avx_chk_kernel() {}\n' + "//\n" * 4096)
+    for name in ("cprobe.so", "cnotprobe.main.so", "cbig.so"):
+        (node_a / "pr" / name).write_bytes(b"\x7fELF " + name.encode())
     monkeypatch.setattr(compile_cache, "_loaded_kernels", lambda: {"ns/cnsn75kernel.main.so": str(kernel)})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(node_a))
     cache = compile_cache.CompileCache()
     monkeypatch.setattr(cache, "artifacts", lambda: b"not PyTorch's artifacts")
     assert cache.write(str(checkpoint)) and (checkpoint / compile_cache.CACHE_FILE).is_file()
@@ -216,6 +228,8 @@ def test_the_compile_cache_file_carries_the_kernels_to_their_place_and_refuses_a
     other = compile_cache.CompileCache()
     assert not other.read(str(checkpoint))  # PyTorch cannot read those artifacts: nothing counts as loaded
     assert (node_b / "ns" / "cnsn75kernel.main.so").read_bytes() == kernel.read_bytes()
+    assert (node_b / "pr" / "cprobe.so").read_bytes() == (node_a / "pr" / "cprobe.so").read_bytes()
+    assert sorted(p.name for p in (node_b / "pr").iterdir()) == ["cprobe.so"]
     blob = (checkpoint / compile_cache.CACHE_FILE).read_bytes()
     (checkpoint / compile_cache.CACHE_FILE).write_bytes(blob[:-10])
     (node_b / "ns" / "cnsn75kernel.main.so").unlink()

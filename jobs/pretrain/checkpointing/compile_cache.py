@@ -10,7 +10,9 @@ is a cache hit. On a CPU the graphs' C++ kernels are not in it: a hit still buil
 which is most of a CPU compile (the tiny model: 32.7 s with the artifacts loaded, 34.7 s cold), so the kernels
 this process loaded go along (`*.so`, by their place in the cache directory: inductor builds a kernel only when its
 file is missing; the file's name hashes its source and compiler command, so a node of another build never picks
-up a foreign one). The kernels are native code loaded as they come: the checkpoints' storage is trusted as it is
+up a foreign one). So do the small libraries inductor builds once per process to learn which vector instructions
+the compiler takes (its ISA probes: 4 builds, ~13 s of a warm start on this machine's cores, left out they are
+built again on every fresh node; which instructions the CPU has is still read from the CPU). The kernels are native code loaded as they come: the checkpoints' storage is trusted as it is
 for their pickles.
 
 Rank 0 writes both into every checkpoint it saves (CACHE_FILE, a zip: every rank compiles the same graphs), the
@@ -64,12 +66,28 @@ def _loaded_kernels() -> dict[str, str]:
     return found
 
 
+def _isa_probes(root: str) -> dict[str, str]:
+    """{path relative to `root`: absolute path} of inductor's ISA probe libraries built in the cache directory `root`
+    (torch._inductor.cpu_vec_isa: each a few lines of C++ whose symbols end in `_chk_kernel`, built by file name as
+    the kernels are, but loaded in a child process, so in no cache this process keeps)."""
+    found = {}
+    for source in glob.glob(os.path.join(glob.escape(root), "*", "c*.cpp")):
+        library = source[:-len(".cpp")] + ".so"
+        if source.endswith(".main.cpp") or os.path.getsize(source) > 4096 or not os.path.isfile(library):
+            continue
+        with open(source, encoding="utf-8", errors="replace") as f:
+            if "_chk_kernel" in f.read():
+                found[os.path.relpath(library, root)] = library
+    return found
+
+
 class CompileCache:
     """One worker's view of the cache: what it loaded, and what it has to save."""
 
     def __init__(self) -> None:
         self._blob: bytes | None = None  # the last serialized (PyTorch's serialization appends: it holds all)
         self._zipped: tuple[tuple, bytes] | None = None  # (what it holds, the zip): made again when that changes
+        self._probes: dict[str, str] = {}  # inductor's ISA probes: built (or found) once per process, at its first compile
         self.loaded = False  # this attempt started from a checkpoint's cache
         self.load_s = 0.0  # what reading and loading it took
 
@@ -87,7 +105,11 @@ class CompileCache:
         blob = self.artifacts()
         if not blob:
             return False
-        kernels = sorted(_loaded_kernels().items())
+        if not self._probes:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+            self._probes = _isa_probes(cache_dir())
+        kernels = sorted({**self._probes, **_loaded_kernels()}.items())
         holds = (len(blob), hashlib.sha256(blob).digest(), tuple(rel for rel, _ in kernels))
         if self._zipped is None or self._zipped[0] != holds:
             payload = io.BytesIO()
