@@ -114,8 +114,9 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True,
         ensure_private_token()
         # address="local": a Ray of this run's own even where another one runs on the machine (a plain ray.init()
         # would join that one and then refuse num_cpus); connecting to a cluster is what an address is for.
-        info = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                        runtime_env={"env_vars": dict(WORKER_ENV)}, log_to_driver=verbose, logging_level=level)
+        info = _start_local_ray(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
+                                dashboard_host="127.0.0.1", runtime_env={"env_vars": dict(WORKER_ENV)},
+                                log_to_driver=verbose, logging_level=level)
     if not verbose:
         ray_errors_to_log()
     interrupts.reinstall()  # ray.init replaced the SIGTERM handler with one that aborts (exit 134)
@@ -124,6 +125,38 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True,
     data.enable_progress_bars = verbose
     data.print_on_execution_start = verbose
     return RayJoined(getattr(info, "dashboard_url", "") or "", address, "cluster" if address else "local")
+
+
+RAYLET_UNREGISTERED = "timed out during startup"  # Ray's words when its raylet missed its fixed 30 s to register
+
+
+def _start_local_ray(**init_kwargs):
+    """ray.init of a local Ray, once more when its raylet did not register in time.
+
+    Ray waits a fixed 30 s for a new raylet to register with the GCS, and a machine whose cores are all busy (a test
+    suite beside the run, a data stage finishing) can take longer to start it: the raylet comes up a moment later,
+    but ray.init has given up. The processes that attempt started are stopped (by pid: children this process did
+    not have before), then Ray starts once more; a second miss is raised as it is."""
+    import psutil
+    import ray
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        return ray.init(**init_kwargs)
+    except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for it
+        if RAYLET_UNREGISTERED not in str(exc):
+            raise
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        log.warning("the local Ray's raylet did not register within Ray's 30 s (a loaded machine?): stopping the %d "
+                    "processes it started and starting Ray once more", len(started))
+        for proc in started:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(started, timeout=10)
+        ray.shutdown()
+        return ray.init(**init_kwargs)
 
 
 def stop_writers(how: str, timeout_s: float = 30.0) -> None:
