@@ -23,6 +23,14 @@ WORKER_ENV = {
     # The Rust tokenizer's thread pool deadlocks after fork; Ray workers fork.
     "TOKENIZERS_PARALLELISM": "false",
 }
+# Every Ray node of the project's clusters runs with these (the image's ENV, infra/local/cluster.sh, a local Ray,
+# the multi-node test rig); a value already in the environment wins.
+# - A call to an actor whose node was just lost (its raylet gone, the cluster not yet declaring the node dead: 13-15 s
+#   of health checks) fails only after Ray waits for a death notice that cannot come before then: 1 s, then up to
+#   another second for the next check of that wait. Ray Train's controller pays it three times when a node holding a
+#   training worker is lost (the failed poll, the backend's shutdown, the workers' shutdown), ~6 s before the new
+#   worker group starts. At 0 such a call fails at once, with the same error (KubeRay sets it so for Ray Serve).
+NODE_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0"}
 NOISY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air")
 
 
@@ -111,6 +119,8 @@ def ensure_ray(address: str = "", num_cpus: int = 4, dashboard: bool = True,
         # with the default start-up concurrency (the physical cores) the raylet then warns, repeatedly, about a
         # "large number of worker processes" that is simply what a training run is.
         os.environ.setdefault("RAY_worker_maximum_startup_concurrency", str(max(8, num_cpus)))
+        for key, value in NODE_ENV.items():  # the local Ray's processes inherit them
+            os.environ.setdefault(key, value)
         ensure_private_token()
         # address="local": a Ray of this run's own even where another one runs on the machine (a plain ray.init()
         # would join that one and then refuse num_cpus); connecting to a cluster is what an address is for.

@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+from bertpipe.jobs.cluster import NODE_ENV
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -32,6 +34,8 @@ class MultiNodeRay:
         # Ray's settings of the test process (a token another test's cluster set, an address) are not the rig's:
         # the rig and the `bertpipe` it serves both read the user's own token, as the CLI tests run it.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
+        # The nodes run as the project's clusters' do (the image's ENV); a value the test process sets wins (an A/B).
+        env.update({k: os.environ.get(k, v) for k, v in NODE_ENV.items()})
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True,
                                      pass_fds=(answers_w,))

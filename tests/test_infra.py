@@ -469,3 +469,21 @@ def test_cluster_sh_env_usage_and_refusals(tmp_path):
 
 # A real start and stop of infra/local/cluster.sh (token, loopback only, the printed client lines, idempotent start,
 # nothing left after stop) is tests/test_cluster_e2e.py's: its cluster serves the submitted workflow too.
+
+
+def test_every_ray_node_the_project_starts_runs_with_the_node_settings():
+    """bertpipe.jobs.cluster.NODE_ENV reaches every kind of node the project starts: the image (KubeRay and the
+    cluster launcher run it), the local cluster script and the multi-node test rig (a local Ray: ensure_ray, tested
+    with a real one in tests/test_local_ray_start.py)."""
+    from bertpipe.jobs.cluster import NODE_ENV
+
+    dockerfile = (INFRA / "docker" / "Dockerfile").read_text()
+    env_block = re.search(r"^ENV ((?:.*\\\n)*.*)$", dockerfile, re.M).group(1)
+    image_env = dict(re.findall(r"(\w+)=(\S+?)\s*(?:\\|$)", env_block, re.M))
+    script = CLUSTER_SH.read_text()
+    rig = (REPO / "tests" / "multinode.py").read_text()
+    assert NODE_ENV
+    for key, value in NODE_ENV.items():
+        assert image_env.get(key) == value, (key, image_env)
+        assert f'{key}="${{{key}:-{value}}}"' in script, key
+    assert "NODE_ENV.items()" in rig

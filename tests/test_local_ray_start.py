@@ -35,6 +35,8 @@ import ray
 joined = cluster.ensure_ray(num_cpus=1, dashboard=False)
 print("attempts", calls[0] + 1 if calls else 0, len(calls))
 print("sum", ray.get(ray.remote(lambda: 41 + 1).remote()))
+import os
+print("node-env", ray.get(ray.remote(lambda: os.environ.get("RAY_timeout_ms_task_wait_for_death_info")).remote()))
 names = [p.name() for p in psutil.Process().children(recursive=True)]
 print("gcs", sum(n.startswith("gcs_server") for n in names), "raylets", sum(n == "raylet" for n in names))
 cluster.stop_writers(joined.how)
@@ -51,6 +53,8 @@ def test_a_raylet_slow_to_register_costs_one_more_start_and_leaves_nothing_behin
     assert "did not register within Ray's 30 s" in out.stderr, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert lines["sum"] == "42"
+    # the local Ray's workers run with the project's node settings (jobs/cluster.py NODE_ENV)
+    assert lines["node-env"] == "0", out.stdout
     # one GCS and one raylet: the first attempt's were stopped, not left beside the second's
     assert lines["gcs"] == "1 raylets 1", out.stdout
     assert lines["left"] == "0", out.stdout
