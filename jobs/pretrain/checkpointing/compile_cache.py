@@ -12,8 +12,8 @@ this process loaded go along (`*.so`, by their place in the cache directory: ind
 file is missing; the file's name hashes its source and compiler command, so a node of another build never picks
 up a foreign one). So do the small libraries inductor builds once per process to learn which vector instructions
 the compiler takes (its ISA probes: 4 builds, ~13 s of a warm start on this machine's cores, left out they are
-built again on every fresh node; which instructions the CPU has is still read from the CPU). The kernels are native code loaded as they come: the checkpoints' storage is trusted as it is
-for their pickles.
+built again on every fresh node; which instructions the CPU has is still read from the CPU). The kernels are
+native code loaded as they come: the checkpoints' storage is trusted as it is for their pickles.
 
 Rank 0 writes both into every checkpoint it saves (CACHE_FILE, a zip: every rank compiles the same graphs), the
 artifacts serialized again only when the process compiled (or hit its cache) since; every worker of a resumed
@@ -87,7 +87,7 @@ class CompileCache:
     def __init__(self) -> None:
         self._blob: bytes | None = None  # the last serialized (PyTorch's serialization appends: it holds all)
         self._zipped: tuple[tuple, bytes] | None = None  # (what it holds, the zip): made again when that changes
-        self._probes: dict[str, str] = {}  # inductor's ISA probes: built (or found) once per process, at its first compile
+        self._probes: dict[str, str] = {}  # inductor's ISA probes: built (or found) once, at the first compile
         self.loaded = False  # this attempt started from a checkpoint's cache
         self.load_s = 0.0  # what reading and loading it took
 
