@@ -87,7 +87,7 @@ class CompileCache:
     def __init__(self) -> None:
         self._blob: bytes | None = None  # the last serialized (PyTorch's serialization appends: it holds all)
         self._zipped: tuple[tuple, bytes] | None = None  # (what it holds, the zip): made again when that changes
-        self._probes: dict[str, str] = {}  # inductor's ISA probes: built (or found) once, at the first compile
+        self._probes: dict[str, str] | None = None  # inductor's ISA probes, looked up once: built at the first compile
         self.loaded = False  # this attempt started from a checkpoint's cache
         self.load_s = 0.0  # what reading and loading it took
 
@@ -105,7 +105,7 @@ class CompileCache:
         blob = self.artifacts()
         if not blob:
             return False
-        if not self._probes:
+        if self._probes is None:  # (the cache directory is scanned once per process, not at every checkpoint)
             from torch._inductor.runtime.cache_dir_utils import cache_dir
 
             self._probes = _isa_probes(cache_dir())
