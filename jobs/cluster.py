@@ -30,7 +30,10 @@ WORKER_ENV = {
 #   another second for the next check of that wait. Ray Train's controller pays it three times when a node holding a
 #   training worker is lost (the failed poll, the backend's shutdown, the workers' shutdown), ~6 s before the new
 #   worker group starts. At 0 such a call fails at once, with the same error (KubeRay sets it so for Ray Serve).
-NODE_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0"}
+# - Ray Train's controller asks the cluster for drained nodes every 5 s by default: a cloud's spot notice gives 30 s
+#   (GCP, Azure) before the node goes, and the run needs most of them for its checkpoint. Once a second costs one
+#   small GCS call a second.
+NODE_ENV = {"RAY_timeout_ms_task_wait_for_death_info": "0", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1"}
 NOISY_LOGGERS = ("ray", "ray.data", "ray.train", "ray.tune", "ray.air")
 
 

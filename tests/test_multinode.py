@@ -56,6 +56,7 @@ class Watched:
                                      stderr=subprocess.PIPE, text=True)
         self.err: list[str] = []
         self.out: list[str] = []
+        self.arrivals: list[tuple[float, str]] = []  # (time.time() when read, line), both streams
         self.threads = [threading.Thread(target=self._read, args=(s, into), daemon=True)
                         for s, into in ((self.proc.stderr, self.err), (self.proc.stdout, self.out))]
         for t in self.threads:
@@ -63,6 +64,7 @@ class Watched:
 
     def _read(self, stream, into: list[str]) -> None:
         for line in stream:
+            self.arrivals.append((time.time(), line))
             into.append(line)
 
     def wait_for_line(self, pattern: str) -> str:
@@ -72,6 +74,10 @@ class Watched:
         wait_until(found, f"line matching {pattern!r}", still_running=lambda: self.proc.poll() is None,
                    why_stopped=self.text)
         return found()
+
+    def arrived_at(self, pattern: str) -> float:
+        """When the first line matching `pattern` was read."""
+        return next(at for at, line in self.arrivals if re.search(pattern, line))
 
     def finish(self, timeout_s: float) -> int:
         code = self.proc.wait(timeout=timeout_s)

@@ -166,10 +166,12 @@ start_ray() {
     cd "$REPO"
     # No drain on stop: Ray's SIGTERM handler otherwise waits up to 30 s for the node to drain (made for Serve
     # replicas behind a load balancer); after a training job that made `stop` take 33 s instead of 3.
-    # RAY_timeout_ms_task_wait_for_death_info: as on every node of the project's clusters (bertpipe.jobs.cluster.NODE_ENV).
+    # RAY_timeout_ms_task_wait_for_death_info, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S: as on every node of the
+    # project's clusters (bertpipe.jobs.cluster.NODE_ENV).
     spawn_detached "$RAY_LOG" env -u RAY_AUTH_TOKEN RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$TOKEN_FILE" \
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 \
         RAY_timeout_ms_task_wait_for_death_info="${RAY_timeout_ms_task_wait_for_death_info:-0}" \
+        RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="${RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S:-1}" \
         "${args[@]}" >"$RAY_PID"
     log "starting Ray head (pid $(cat "$RAY_PID"), log $RAY_LOG)"
     # /api/gcs_healthz is one of the dashboard paths Ray leaves open without a token.
