@@ -101,7 +101,9 @@ def test_a_node_drained_with_a_deadline_makes_the_run_checkpoint_before_it_and_n
                                     "--set", "pretrain.num_workers=[1, 2]", "--set", "pretrain.log_every_steps=2",
                                     "--set", "pretrain.checkpoint_every_steps=1000",  # the drain's is the only one
                                     "--set", "pretrain.drain_check_every_steps=2",
-                                    "--set", "pretrain.elastic_start_timeout_s=15"), tmp_path)
+                                    # Ray Train restarts at the deadline, the drained node still alive: a group
+                                    # sized by it would wait for this, and the run outlive the test's wait
+                                    "--set", "pretrain.elastic_start_timeout_s=600"), tmp_path)
         wait_until(lambda: _stepping(tmp_path, steps), "training steps", still_running=lambda: run.proc.poll() is None,
                    why_stopped=run.text)
         victim = rig.busy_nodes()[0]

@@ -4,6 +4,8 @@ resume rule, the resize lines of the attempt watch, the driver's rate over all w
 checkpoint decision on a fake clock. The real cluster is in tests/test_elastic_multinode.py."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -170,7 +172,7 @@ def test_a_restart_counts_only_the_nodes_whose_raylet_answers_and_a_running_grou
     raylets = {"a": ("10.0.0.1", 1), "b": ("10.0.0.2", 1), "c": ("10.0.0.3", 1)}
     gone = {("10.0.0.3", 1)}
     probe = NodeProbe(addresses=lambda: raylets, answers=lambda at: asked.append(at) or at not in gone,
-                      clock=lambda: clock["now"], fresh_s=1.0)
+                      draining=set, clock=lambda: clock["now"], fresh_s=1.0)
     policy = WholeBatchScalingPolicy(ray.train.ScalingConfig(num_workers=(2, 3), resources_per_worker={"CPU": 1}),
                                      worlds=[2, 3], probe=probe)
     reserved = {node: {"CPU": 1.0} for node in raylets}
@@ -182,6 +184,62 @@ def test_a_restart_counts_only_the_nodes_whose_raylet_answers_and_a_running_grou
     clock["now"] += 1.0
     gone.clear()  # a node with that address joined again
     assert policy._count_possible_workers(reserved) == 3 and len(asked) == 6
+
+
+def test_a_restart_leaves_out_a_node_being_drained_and_a_running_group_waits_for_the_drains_deadline():
+    """Ray Train restarts the group at a drain's deadline, while the drained node is alive, answers and is counted:
+    sized by it, the new group would wait for a placement Ray never makes there until the start times out."""
+    import ray.train
+
+    from bertpipe.jobs.pretrain.elastic import NodeProbe, WholeBatchScalingPolicy
+
+    draining: set[str] = set()
+    clock = {"now": 0.0}
+    probe = NodeProbe(addresses=lambda: {n: ("10.0.0.1", i) for i, n in enumerate("ab")}, answers=lambda at: True,
+                      draining=lambda: set(draining), clock=lambda: clock["now"])
+    policy = WholeBatchScalingPolicy(ray.train.ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1}),
+                                     worlds=[1, 2], probe=probe)
+    reserved = {node: {"CPU": 1.0} for node in "ab"}
+    policy._starting = True
+    assert policy._count_possible_workers(reserved) == 2
+    draining.add("b")
+    clock["now"] += 1.0
+    assert policy._count_possible_workers(reserved) == 1
+    policy._starting = False  # the running group's resize check: it trains on to the drain's checkpoint
+    assert policy._count_possible_workers(reserved) == 2
+
+
+@pytest.mark.integration
+def test_the_cluster_tells_which_nodes_are_being_drained():
+    """The real Ray call behind NodeProbe's default: a drained node that holds work is listed until it goes."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.core.generated import autoscaler_pb2
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from bertpipe.jobs.pretrain.elastic import draining_nodes
+
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        node = cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        busy = ray.remote(num_cpus=1)(Holder).options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote()
+        ray.get(busy.ready.remote())  # an idle node would be let go at once
+        assert draining_nodes() == set()
+        accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test",
+            int((time.time() + 60) * 1000))
+        assert accepted, why
+        assert draining_nodes() == {node.node_id}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def test_a_running_group_grows_while_it_trains_and_not_once_a_worker_reported_the_last_step():

@@ -16,6 +16,8 @@ What is added to Ray's policy:
 - a restart counts only the nodes whose raylet answers: Ray Train restarts the group seconds after a worker's node
   is lost, before the cluster has declared the node dead (its health checks take ~15-30 s), and would otherwise size
   the group by the lost node's room and wait for it until the start times out;
+- nor a node being drained: Ray Train restarts the group at a drain's deadline, while the node is still alive and
+  counted, but Ray places nothing new on it;
 - a worker group that does not start within `pretrain.elastic_start_timeout_s` (sized by a node that is gone all
   the same: one whose raylet still answered) is given up sooner than Ray Train's 60 s, and the next try counts again;
 - no resize once a worker has reported the run's last step: the workers are then evaluating, exporting and saving
@@ -59,6 +61,16 @@ def raylet_answers(address: tuple[str, int], timeout_s: float = RAYLET_PROBE_TIM
         return False
 
 
+def draining_nodes() -> set[str]:
+    """The ids of the nodes being drained (a spot notice), as Ray Train's preemption watcher reads them; none when
+    the cluster cannot say (a restart then counts those nodes, as Ray's own policy does)."""
+    try:
+        return set(ray._private.state.state.get_draining_nodes() or {})
+    except Exception:  # noqa: BLE001 - a look that failed leaves the decision to the raylet probe
+        logging.getLogger(__name__).warning("could not read the draining nodes", exc_info=True)
+        return set()
+
+
 def raylet_addresses() -> dict[str, tuple[str, int]]:
     """{node id: (raylet host, port)} of the nodes the cluster holds alive."""
     return {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in ray.nodes()
@@ -66,25 +78,27 @@ def raylet_addresses() -> dict[str, tuple[str, int]]:
 
 
 class NodeProbe:
-    """Which nodes' raylets do not answer, asked in parallel and kept for `fresh_s` (a restart's decision loop
-    asks many times a second)."""
+    """Which nodes a new worker group cannot use: those whose raylet does not answer (asked in parallel) and those
+    being drained; kept for `fresh_s` (a restart's decision loop asks many times a second)."""
 
     def __init__(self, addresses: Callable[[], dict[str, tuple[str, int]]] = raylet_addresses,
                  answers: Callable[[tuple[str, int]], bool] = raylet_answers,
+                 draining: Callable[[], set[str]] = draining_nodes,
                  clock: Callable[[], float] = time.monotonic, fresh_s: float = 1.0):
-        self.addresses, self.answers, self.clock, self.fresh_s = addresses, answers, clock, fresh_s
-        self._silent: set[str] = set()
+        self.addresses, self.answers, self.draining, self.clock, self.fresh_s = (addresses, answers, draining,
+                                                                                 clock, fresh_s)
+        self._unusable: set[str] = set()
         self._asked_at = float("-inf")
 
-    def silent(self) -> set[str]:
+    def unusable(self) -> set[str]:
         now = self.clock()
         if now - self._asked_at >= self.fresh_s:
             where = self.addresses()
             with ThreadPoolExecutor(max_workers=max(1, min(32, len(where)))) as pool:
                 answered = dict(zip(where, pool.map(self.answers, where.values())))
-            self._silent = {node for node, ok in answered.items() if not ok}
+            self._unusable = {node for node, ok in answered.items() if not ok} | self.draining()
             self._asked_at = self.clock()
-        return self._silent
+        return self._unusable
 
 
 def reported_steps(worker_group_status) -> list[int]:
@@ -95,8 +109,8 @@ def reported_steps(worker_group_status) -> list[int]:
 
 class WholeBatchScalingPolicy(ElasticScalingPolicy):
     """Ray Train's elastic policy, counting only the worker counts that split the global batch exactly, and, when
-    it (re)starts the worker group, only the nodes whose raylet answers; a running group is not resized once it has
-    reported `last_step`."""
+    it (re)starts the worker group, only the nodes it can use (NodeProbe); a running group is not resized once it
+    has reported `last_step`."""
 
     def __init__(self, scaling_config, worlds: list[int], last_step: int | None = None,
                  probe: NodeProbe | None = None):
@@ -124,9 +138,9 @@ class WholeBatchScalingPolicy(ElasticScalingPolicy):
         if self._starting and reserved_resources:
             # Only at a (re)start: a running group's node that stops answering fails its worker, which restarts
             # the group through here; a resize check that shrank on an unanswered probe would restart it for a
-            # moment's silence.
-            silent = self.probe.silent()
-            reserved_resources = {node: res for node, res in reserved_resources.items() if node not in silent}
+            # moment's silence, and one that shrank at a drain's notice would not wait for the drain's checkpoint.
+            unusable = self.probe.unusable()
+            reserved_resources = {node: res for node, res in reserved_resources.items() if node not in unusable}
         return whole_batch_world(super()._count_possible_workers(reserved_resources), self.worlds)
 
     def _get_reserved_resources(self):
