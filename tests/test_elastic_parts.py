@@ -4,7 +4,9 @@ resume rule, the resize lines of the attempt watch, the driver's rate over all w
 checkpoint decision on a fake clock. The real cluster is in tests/test_elastic_multinode.py."""
 from __future__ import annotations
 
-import time
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -209,37 +211,50 @@ def test_a_restart_leaves_out_a_node_being_drained_and_a_running_group_waits_for
     assert policy._count_possible_workers(reserved) == 2
 
 
+# In a process of its own: the tests of a pytest worker share its Ray, which this one's cluster must not replace.
+DRAINED_LISTED = """
+import time
+import ray
+from ray.cluster_utils import Cluster
+from ray.core.generated import autoscaler_pb2
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from bertpipe.jobs.pretrain.elastic import draining_nodes
+
+@ray.remote(num_cpus=1)
+class Holder:
+    def ready(self):
+        return True
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+try:
+    node = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    busy = Holder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote()
+    ray.get(busy.ready.remote())  # an idle node would be let go at once
+    print("before", sorted(draining_nodes()))
+    accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test",
+        int((time.time() + 60) * 1000))
+    assert accepted, why
+    print("after", sorted(draining_nodes()), node.node_id)
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
 @pytest.mark.integration
-def test_the_cluster_tells_which_nodes_are_being_drained():
-    """The real Ray call behind NodeProbe's default: a drained node that holds work is listed until it goes."""
-    import ray
-    from ray.cluster_utils import Cluster
-    from ray.core.generated import autoscaler_pb2
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from bertpipe.jobs.pretrain.elastic import draining_nodes
-
-    class Holder:
-        def ready(self) -> bool:
-            return True
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        node = cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address)
-        cluster.wait_for_nodes()
-        busy = ray.remote(num_cpus=1)(Holder).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote()
-        ray.get(busy.ready.remote())  # an idle node would be let go at once
-        assert draining_nodes() == set()
-        accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
-            node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "test",
-            int((time.time() + 60) * 1000))
-        assert accepted, why
-        assert draining_nodes() == {node.node_id}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def test_the_cluster_tells_which_nodes_are_being_drained(tmp_path):
+    """The real Ray call behind NodeProbe's default: a drained node that holds work is listed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", DRAINED_LISTED], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: line for line in out.stdout.splitlines()}
+    assert lines["before"] == "before []", out.stdout
+    node = lines["after"].split()[-1]
+    assert lines["after"] == f"after ['{node}'] {node}", out.stdout
 
 
 def test_a_running_group_grows_while_it_trains_and_not_once_a_worker_reported_the_last_step():
