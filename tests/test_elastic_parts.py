@@ -1,7 +1,8 @@
 """The parts of elastic pre-training that need no cluster (issue 41): the shared data order and its global position
 (no sequence of an epoch lost or trained twice across resizes), the worker counts that hold the global batch, the
 resume rule, the resize lines of the attempt watch, the driver's rate over all workers' sequences, and the drain's
-checkpoint decision on a fake clock. The real cluster is in tests/test_elastic_multinode.py."""
+checkpoint decision on a fake clock; and the one Ray call the restart policy adds (which nodes are being drained),
+on real nodes. Training on a real cluster is in tests/test_elastic_multinode.py."""
 from __future__ import annotations
 
 import os
