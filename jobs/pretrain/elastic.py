@@ -13,13 +13,16 @@ What is added to Ray's policy:
 - the cluster's room is read fresh at each decision (Ray Data's autoscaling coordinator, which Ray Train asks,
   refreshes its view of the nodes every 20 s otherwise): a node that joined is used at the next resize check, and
   a restart after a loss does not size the group by a node already gone from the coordinator's view;
-- a restart counts only the nodes whose raylet answers: Ray Train restarts the group seconds after a worker's node
-  is lost, before the cluster has declared the node dead (its health checks take ~15-30 s), and would otherwise size
-  the group by the lost node's room and wait for it until the start times out;
+- a (re)start or a grow counts only the nodes whose raylet answers: Ray Train restarts the group seconds after a
+  worker's node is lost, before the cluster has declared the node dead (its health checks take ~15-30 s), and would
+  otherwise size the group by the lost node's room and wait for it until the start times out, or grow toward it;
 - nor a node being drained: Ray Train restarts the group at a drain's deadline, while the node is still alive and
   counted, but Ray places nothing new on it;
+- a running group is never shrunk by a resize check: a lost node fails its worker, which restarts the group;
 - a worker group that does not start within `pretrain.elastic_start_timeout_s` (sized by a node that is gone all
   the same: one whose raylet still answered) is given up sooner than Ray Train's 60 s, and the next try counts again;
+- a node that joins is counted for a grow once its warm process is up (warm_start/node_warm_up.py), so the grown
+  group does not wait for one cold worker;
 - no resize once a worker has reported the run's last step: the workers are then evaluating, exporting and saving
   the last checkpoint, and a group grown then would restart from that checkpoint to do all of it again.
 """
@@ -33,13 +36,14 @@ from typing import Callable
 
 import ray
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, NoopDecision
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, NoopDecision, ResizeDecision
 from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
     AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
 )
 from ray.train.v2._internal.util import time_monotonic
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
+from bertpipe.jobs.pretrain.warm_start.node_warm_up import NodeWarmUp
 
 
 def whole_batch_world(fits: int, worlds: list[int]) -> int:
@@ -108,24 +112,31 @@ def reported_steps(worker_group_status) -> list[int]:
 
 
 class WholeBatchScalingPolicy(ElasticScalingPolicy):
-    """Ray Train's elastic policy, counting only the worker counts that split the global batch exactly, and, when
-    it (re)starts the worker group, only the nodes it can use (NodeProbe); a running group is not resized once it
-    has reported `last_step`."""
+    """Ray Train's elastic policy, counting only the worker counts that split the global batch exactly and only the
+    nodes it can use (NodeProbe), a grow only those whose warm process is up (NodeWarmUp); a running group only
+    grows, and not once it has reported `last_step`."""
 
     def __init__(self, scaling_config, worlds: list[int], last_step: int | None = None,
-                 probe: NodeProbe | None = None):
+                 probe: NodeProbe | None = None, warm_up: NodeWarmUp | None = None):
         super().__init__(scaling_config)
         self.worlds = worlds
         self.last_step = last_step
         self.reached = 0  # the highest step reported so far
         self.probe = probe or NodeProbe()
+        self.warm_up = warm_up or NodeWarmUp({})
         self._starting = False  # inside the decision for a group not running: a start or a restart
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self.reached = max([self.reached, *reported_steps(worker_group_status)])
         if self.last_step is not None and self.reached >= self.last_step:
             return NoopDecision()  # training is over (the module's docstring)
-        return super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+        self.warm_up.started_on(w.metadata.node_id for w in worker_group_state.workers)
+        if self.warm_up.poll():
+            self._latest_monitor_time = float("-inf")  # a node just warmed: look now, not a whole interval later
+        decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+        if isinstance(decision, ResizeDecision) and decision.num_workers < worker_group_state.num_workers:
+            return NoopDecision()  # a lost node fails its worker and restarts the group: a look only grows it
+        return decision
 
     def make_decision_for_non_running_worker_group(self):
         self._starting = True
@@ -135,12 +146,16 @@ class WholeBatchScalingPolicy(ElasticScalingPolicy):
             self._starting = False
 
     def _count_possible_workers(self, reserved_resources) -> int:
-        if self._starting and reserved_resources:
-            # Only at a (re)start: a running group's node that stops answering fails its worker, which restarts
-            # the group through here; a resize check that shrank on an unanswered probe would restart it for a
-            # moment's silence, and one that shrank at a drain's notice would not wait for the drain's checkpoint.
+        if reserved_resources:
+            # A node that does not answer or is being drained holds no new worker: a (re)start would wait for it,
+            # a grow would restart the group toward it. A running group is never shrunk here (its lost node fails
+            # a worker, which restarts it through a start), so a moment's silence costs nothing, and a drained
+            # node's workers train on to the drain's checkpoint.
             unusable = self.probe.unusable()
             reserved_resources = {node: res for node, res in reserved_resources.items() if node not in unusable}
+            if not self._starting:
+                cold = self.warm_up.not_ready(reserved_resources)
+                reserved_resources = {node: res for node, res in reserved_resources.items() if node not in cold}
         return whole_batch_world(super()._count_possible_workers(reserved_resources), self.worlds)
 
     def _get_reserved_resources(self):
@@ -167,8 +182,8 @@ class ElasticTorchTrainer(TorchTrainer):
         self.worlds, self.last_step = worlds, last_step
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["scaling_policy"] = WholeBatchScalingPolicy(self.scaling_config, self.worlds,
-                                                                           self.last_step)
+        controller_init_kwargs["scaling_policy"] = WholeBatchScalingPolicy(
+            self.scaling_config, self.worlds, self.last_step, warm_up=NodeWarmUp(self.run_config.worker_runtime_env))
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 

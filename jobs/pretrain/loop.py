@@ -28,6 +28,7 @@ from bertpipe.jobs.pretrain.engine.lamb_layout import mapped_layouts
 from bertpipe.jobs.pretrain.evaluation import evaluate_heldout, time_eval_batches
 from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError
 from bertpipe.jobs.pretrain.metrics.restart import RestartClock
+from bertpipe.jobs.pretrain.warm_start.zygote import warm_start_note
 from bertpipe.jobs.pretrain.worker import Worker, forward, masking_spec, to_device
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import RunLogger
@@ -73,6 +74,7 @@ def setup(spec: WorkerSpec, entered_at: float) -> Worker:
     torch.set_num_threads(cfg.cpus_per_worker)
     fresh_cache_dir_if_asked()
     clock = RestartClock(attempt_stamp(), entered_at)
+    clock.worker_note = warm_start_note()
     if rank == 0:  # add(0): a restarted attempt's progress stays where training stood until it resumes
         spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
     with clock.part("engine_setup"):

@@ -29,7 +29,7 @@ IDENTITY_FILE = "identity.json"  # in the run folder: the fields the name hashes
 LAYOUT = ("num_workers", "cpus_per_worker", "prefetch_batches", "log_every_steps", "eval_every_steps",
           "eval_max_batches", "checkpoint_every_steps", "num_checkpoints_to_keep", "max_failures", "compile",
           "offload_optimizer", "storage_path", "run_name", "restart", "async_checkpoint_upload",
-          "compile_cache_in_checkpoint")
+          "compile_cache_in_checkpoint", "warm_worker_start")
 PHASE_LAYOUT = ("micro_batch_size",)
 MODEL_LAYOUT = ("activation_checkpointing",)
 

@@ -276,6 +276,7 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
 
     from bertpipe.jobs.pretrain.attempt_clock import AttemptClock
     from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer
+    from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
 
     cfg = spec.pretrain
     kind = (functools.partial(ElasticTorchTrainer, worlds=cfg.whole_batch_worlds(), last_step=cfg.max_steps)
@@ -289,7 +290,8 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
             name=spec.run_name, storage_path=spec.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
-            callbacks=[AttemptClock()]),  # when each attempt started, for its restart's breakdown
+            callbacks=[AttemptClock()],  # when each attempt started, for its restart's breakdown
+            worker_runtime_env=worker_runtime_env(cfg.warm_worker_start, ray.get_runtime_context().runtime_env)),
         datasets=datasets,
         # preserve_order makes the streaming split deterministic (which rows reach which worker, in which
         # order): the precondition for resuming by skipping a known number of batches.

@@ -45,6 +45,7 @@ class RestartClock:
         self.pending = stamp is not None  # until the attempt's first optimizer step
         self.batch_seen = False
         self.compile_note = ""
+        self.worker_note = ""
 
     @property
     def is_restart(self) -> bool:
@@ -86,10 +87,11 @@ def metric_values(breakdown: dict[str, float]) -> dict[str, float]:
     return {RESTART_METRICS[k]: max(v, 0.0) for k, v in breakdown.items()}
 
 
-def line(breakdown: dict[str, float], step: int, attempt: int, compile_note: str = "") -> str:
-    """"restart (attempt 2) reached step 23 in 12.3 s: worker start 3.1 s, ..., rest 4.8 s"."""
+def line(breakdown: dict[str, float], step: int, attempt: int, compile_note: str = "", worker_note: str = "") -> str:
+    """"restart (attempt 2) reached step 23 in 12.3 s: worker start 3.1 s (forked warm), ..., rest 4.8 s"."""
     rest = breakdown["total"] - sum(breakdown[p] for p in PARTS)
-    shown = [f"{LABELS[p]} {breakdown[p]:.1f} s" + (f" ({compile_note})" if p == "compile" and compile_note else "")
+    notes = {"compile": compile_note, "worker_start": worker_note}
+    shown = [f"{LABELS[p]} {breakdown[p]:.1f} s" + (f" ({notes[p]})" if notes.get(p) else "")
              for p in PARTS if p != "compile" or breakdown[p] or compile_note]
     return (f"restart (attempt {attempt}) reached step {step} in {breakdown['total']:.1f} s: {', '.join(shown)}, "
             f"rest {max(rest, 0.0):.1f} s")

@@ -146,7 +146,8 @@ class TrainingMetrics:
         breakdown = self.restart.first_step()
         if breakdown is None or self.rank != 0:
             return
-        said = restart.line(breakdown, step, self.restart.stamp.attempt, self.restart.compile_note)
+        said = restart.line(breakdown, step, self.restart.stamp.attempt, self.restart.compile_note,
+                            self.restart.worker_note)
         log.info("pretrain: %s", said)
         if self.restart.is_restart:
             self.run.log_metrics(restart.metric_values(breakdown), step)

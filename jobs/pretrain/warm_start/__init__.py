@@ -1,0 +1,8 @@
+"""Warm worker starts: a restarted or grown worker group's processes forked from one that has already imported
+what a training worker imports (Ray Train, torch, dynamo, DeepSpeed, MLflow, the training loop), instead of
+starting Python and importing them again on every restart: ~9 s of one core per worker (benchmarks/README.md).
+
+launcher.py is the workers' Python command (Ray's runtime env `py_executable`, set by runtime_env.py): it asks its
+node's warm process (zygote.py) for a fork, starting that process on the node's first worker, and runs the worker
+cold, exactly as Ray would, whenever a fork is not to be had.
+"""

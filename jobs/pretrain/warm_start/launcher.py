@@ -1,0 +1,174 @@
+"""The Python command of a training worker (Ray runs `<this> default_worker.py --raylet-name=... ...`).
+
+Asks the warm process of this node and this worker environment (zygote.py) to fork the worker; starts that process
+when there is none yet (the first worker of a node waits for its imports, which it would otherwise have done
+itself); runs the worker cold, with this interpreter, when a fork is not to be had. The forked worker gets this
+process's standard streams, environment and directory; this process stays as long as the worker, passes on the
+signals it gets, and exits with the worker's exit code (Ray started this process: killing it kills the worker).
+
+Standard library only, and nothing imported at start that a cold worker would not need: it runs once per worker.
+"""
+from __future__ import annotations
+
+import array
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+
+ZYGOTE_MODULE = "bertpipe.jobs.pretrain.warm_start.zygote"
+# A fork is refused with 0 instead of a pid (the warm process cannot fork safely: zygote.py says why in its log).
+REFUSED = 0
+# How long the first worker of a node waits for its warm process's imports before it starts cold.
+READY_TIMEOUT_S = float(os.environ.get("BERTPIPE_WARM_START_TIMEOUT_S", "300"))
+UNIX_PATH_MAX = 100  # sun_path holds 108 bytes on Linux; the rest is margin
+
+
+def environment_key(env: dict[str, str], cwd: str) -> str:
+    """Workers of one key share a warm process: it imported under that environment, directory and interpreter."""
+    return hashlib.sha256(json.dumps([sys.executable, cwd, sorted(env.items())]).encode()).hexdigest()[:16]
+
+
+def socket_path(argv: list[str], key: str) -> str:
+    """Beside the raylet's own socket (one warm process per node, also where nodes share a host); in /tmp when that
+    path would not fit a Unix socket's name."""
+    raylet = next((a.split("=", 1)[1] for a in argv if a.startswith("--raylet-name=")), "")
+    path = os.path.join(os.path.dirname(raylet) or "/tmp", f"warm-{os.path.basename(raylet) or 'worker'}-{key}")
+    if len(path) > UNIX_PATH_MAX:
+        path = os.path.join("/tmp", "bertpipe-warm-" + hashlib.sha256(path.encode()).hexdigest()[:24])
+    return path
+
+
+def log_path(socket_file: str) -> str:
+    """The warm process's log: in the Ray session's logs folder (sockets/ sits beside logs/), else beside the
+    socket."""
+    folder = os.path.dirname(socket_file)
+    logs = os.path.join(os.path.dirname(folder), "logs")
+    return os.path.join(logs if os.path.basename(folder) == "sockets" and os.path.isdir(logs) else folder,
+                        f"bertpipe-{os.path.basename(socket_file)}.log")
+
+
+def connect(path: str) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        return conn
+    except OSError:
+        conn.close()
+        return None
+
+
+def start_and_connect(path: str) -> socket.socket | None:
+    """Connects to the warm process, starting it first if there is none; None when it is not ready in time."""
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one start per node and key: the others wait here, then connect
+        conn = connect(path)
+        if conn is not None:
+            return conn
+        if os.path.exists(path):
+            os.unlink(path)  # a socket whose process is gone
+        zygote = start_detached([sys.executable, "-m", ZYGOTE_MODULE, path], log_path(path))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and alive(zygote):
+            conn = connect(path)
+            if conn is not None:
+                return conn
+            time.sleep(0.05)
+        return None
+
+
+def start_detached(command: list[str], log_file: str) -> int:
+    """Starts `command` as no process's child (forked twice, in a session of its own): Ray kills what a worker's
+    process leaves behind when the worker ends, and the warm process outlives the worker that started it."""
+    ready_read, ready_write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(ready_read)
+            os.setsid()
+            grandchild = os.fork()
+            if grandchild == 0:
+                log = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.closerange(3, 1 << 16)  # no descriptor of the worker's (its Ray sockets) held by it
+                os.execv(command[0], command)
+            os.write(ready_write, struct.pack("!i", grandchild))
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.waitpid(child, 0)
+    with os.fdopen(ready_read, "rb") as ready:
+        data = ready.read(4)
+    return struct.unpack("!i", data)[0] if len(data) == 4 else -1
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return pid > 0
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def read_int(conn: socket.socket) -> int | None:
+    data = b""
+    while len(data) < 4:
+        chunk = conn.recv(4 - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return struct.unpack("!i", data)[0]
+
+
+def request_fork(conn: socket.socket, argv: list[str], env: dict[str, str], cwd: str) -> int | None:
+    """The forked worker's pid; None (refused, or the warm process went away)."""
+    body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+    try:
+        conn.sendmsg([struct.pack("!I", len(body)) + body],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+        pid = read_int(conn)
+    except OSError:
+        return None
+    return pid if pid and pid != REFUSED else None
+
+
+def run_cold(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def wait_for(conn: socket.socket, pid: int) -> int:
+    """The forked worker's exit code, passing it the signals this process gets meanwhile."""
+    def pass_on(signum: int, _frame: object) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, pass_on)
+    code = read_int(conn)
+    return 1 if code is None else code
+
+
+def main(argv: list[str]) -> None:
+    env, cwd = dict(os.environ), os.getcwd()
+    path = socket_path(argv, environment_key(env, cwd))
+    conn = connect(path) or start_and_connect(path)
+    pid = request_fork(conn, argv, env, cwd) if conn is not None else None
+    if pid is None:
+        run_cold(argv)
+    sys.exit(wait_for(conn, pid))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
