@@ -137,9 +137,12 @@ def restarts(resizes: list[dict], events: list[dict], points: list[tuple[float, 
         if r["kind"] in ("lost", "failed") and kills:
             kill = kills.pop(0)
             since, row["detection_s"] = kill["at"], _minus(kill.get("detected_at"), kill["at"])
-            # the first step shown after the loss was seen; one past `reached`: the redo took less than a poll
+            # the new attempt's first step: the first shown after the kill below the step reached (the old attempt
+            # shows no step below it), which may come before the cluster declares the node dead; else the first
+            # shown after the loss was seen, one past `reached` when the redo took less than a poll
             seen = kill.get("detected_at") or kill["at"]
-            resumed_at = first_point(points, seen, at_most=r["reached"]) or first_point(points, seen)
+            resumed_at = (first_point(points, kill["at"], above=r["resumed"], at_most=r["reached"] - 1)
+                          or first_point(points, seen, at_most=r["reached"]) or first_point(points, seen))
         else:  # a grow: told as the new attempt began
             join = max((j for j in joins if j["at"] < r["at"]), key=lambda j: j["at"], default=None)
             since = join["at"] if join else r["at"]

@@ -74,6 +74,17 @@ def test_a_redo_shorter_than_a_poll_is_no_redo():
     assert (round(lost["attempt_s"], 3), lost["redo_s"], lost["redone_steps"]) == (25.5, 0, 1)
 
 
+def test_a_restart_done_before_the_node_is_declared_dead_is_timed_from_its_own_first_step():
+    """The warm restarts of the back-after-30 run reached their first new step 7 s after the kill, the cluster
+    declared the node dead at 13 s: the attempt's first step is the first shown below the step reached."""
+    log = [progress(1, 1), progress(4, 25), progress(6, 21), progress(7, 26), progress(19, 60),
+           at(8.0, "bertpipe.pretrain: pretrain: a worker node (192.0.2.2, 1 CPUs) was lost at step 25: going on "
+                   "with 2 workers from the step-20 checkpoint, accumulation 2 → 3")]
+    events = [{"kind": "kill", "at": T0 + 4.5, "detected_at": T0 + 17.5, "node": "a"}]
+    (lost,) = bc.restarts(bc.resize_lines(log), events, bc.progress_points(log), {})
+    assert (lost["latency_s"], lost["attempt_s"], lost["redo_s"]) == (2.5, 1.5, 1.0)
+
+
 def test_the_workers_restart_metrics_go_to_their_restart():
     parts = {"total_s": [(T0 + 31, 21, 8.0), (T0 + 47, 41, 5.0)], "compile_s": [(T0 + 31, 21, 0.5)]}
     lost, grew = bc.restarts(bc.resize_lines(LOG), EVENTS, bc.progress_points(LOG), parts)

@@ -59,6 +59,9 @@ def test_a_restart_s_parts_close_once_at_its_first_step_and_sum_to_its_total():
     assert restart.line(got, 23, 2, "inductor cache: 4 hits, 0 misses") == (
         "restart (attempt 2) reached step 23 in 17.0 s: worker start 4.0 s, DeepSpeed set-up 3.0 s, checkpoint load "
         "1.5 s, compile 6.5 s (inductor cache: 4 hits, 0 misses), first batch 1.2 s, rest 0.8 s")
+    assert restart.line(got, 23, 2, worker_note="forked from the node's warm process").startswith(
+        "restart (attempt 2) reached step 23 in 17.0 s: worker start 4.0 s (forked from the node's warm process), "
+        "DeepSpeed set-up 3.0 s")
     first = restart.RestartClock(AttemptStamp(1, 1000.0), 1001.0, now=clock)
     assert not first.is_restart and restart.RestartClock(None, 0.0).first_step() is None
 

@@ -24,8 +24,11 @@ import time
 ZYGOTE_MODULE = "bertpipe.jobs.pretrain.warm_start.zygote"
 # A fork is refused with 0 instead of a pid (the warm process cannot fork safely: zygote.py says why in its log).
 REFUSED = 0
-# How long the first worker of a node waits for its warm process's imports before it starts cold.
-READY_TIMEOUT_S = float(os.environ.get("BERTPIPE_WARM_START_TIMEOUT_S", "300"))
+# How long the first worker of a node waits for its warm process's imports before it starts cold: well within the
+# time Ray gives a worker to register (RAY_worker_register_timeout_seconds, 60 s by default), so that a cold start
+# after the wait still registers in time.
+READY_TIMEOUT_S = 0.6 * float(os.environ.get("RAY_worker_register_timeout_seconds", "60"))
+FAILED = ".failed"  # beside the socket: the warm process of this node and key could not start
 UNIX_PATH_MAX = 100  # sun_path holds 108 bytes on Linux; the rest is margin
 
 
@@ -64,22 +67,46 @@ def connect(path: str) -> socket.socket | None:
 
 
 def start_and_connect(path: str) -> socket.socket | None:
-    """Connects to the warm process, starting it first if there is none; None when it is not ready in time."""
+    """Connects to the warm process, starting it first if none is running or starting; None when it is not ready
+    within READY_TIMEOUT_S (the worker then starts cold; the warm process goes on and serves the later ones)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
     with open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one start per node and key: the others wait here, then connect
+        while True:  # one launcher of the node and key starts it; the others wait for its socket
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                conn = connect(path)
+                if conn is not None or time.monotonic() > deadline:
+                    return conn
+                time.sleep(0.05)
         conn = connect(path)
-        if conn is not None:
-            return conn
-        if os.path.exists(path):
-            os.unlink(path)  # a socket whose process is gone
-        zygote = start_detached([sys.executable, "-m", ZYGOTE_MODULE, path], log_path(path))
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        if conn is not None or os.path.exists(path + FAILED):
+            return conn  # FAILED: it could not start once on this node; the key's workers start cold
+        zygote = read_pid(path + ".pid")
+        if not alive(zygote):  # none is starting (a launcher before this one may have given up waiting for it)
+            if os.path.exists(path):
+                os.unlink(path)  # a socket whose process is gone
+            zygote = start_detached([sys.executable, "-m", ZYGOTE_MODULE, path], log_path(path))
+            with open(path + ".pid", "w") as pid_file:
+                pid_file.write(str(zygote))
         while time.monotonic() < deadline and alive(zygote):
             conn = connect(path)
             if conn is not None:
                 return conn
             time.sleep(0.05)
+        if not alive(zygote):
+            with open(path + FAILED, "w") as failed:
+                failed.write(f"the warm process exited before it was ready: {log_path(path)}\n")
         return None
+
+
+def read_pid(path: str) -> int:
+    try:
+        with open(path) as pid_file:
+            return int(pid_file.read().strip() or -1)
+    except (OSError, ValueError):
+        return -1
 
 
 def start_detached(command: list[str], log_file: str) -> int:
@@ -111,13 +138,13 @@ def start_detached(command: list[str], log_file: str) -> int:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return pid > 0
-    except ProcessLookupError:
+    if pid <= 0:
         return False
-    except PermissionError:
-        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited (a PID 1 may not reap)
+    except (OSError, IndexError):
+        return False
 
 
 def read_int(conn: socket.socket) -> int | None:

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from bertpipe.jobs.pretrain.warm_start.launcher import alive
+
 log = logging.getLogger("bertpipe.warm_start")
 
 # What a training worker imports before its first step, heaviest first (seconds of one core on the rig: Ray Train's
@@ -142,14 +144,9 @@ class Zygote:
             self.reap()
 
     def should_exit(self) -> bool:
-        if self.raylet_pid is not None:
-            try:
-                os.kill(self.raylet_pid, 0)
-            except ProcessLookupError:
-                log.info("the raylet (pid %d) is gone: exiting", self.raylet_pid)
-                return True
-            except PermissionError:
-                pass
+        if self.raylet_pid is not None and not alive(self.raylet_pid):
+            log.info("the raylet (pid %d) is gone: exiting", self.raylet_pid)
+            return True
         if not self.workers and time.monotonic() - self.idle_since > IDLE_EXIT_S:
             log.info("no worker for %.0f s: exiting", IDLE_EXIT_S)
             return True

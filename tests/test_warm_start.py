@@ -1,0 +1,171 @@
+"""Warm worker starts (jobs/pretrain/warm_start/): workers forked from a node's warm process, on a real Ray; the
+launcher's choices; and when the workers keep Ray's own start."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from bertpipe.jobs.pretrain.warm_start import launcher, zygote
+from bertpipe.jobs.pretrain.warm_start.runtime_env import LAUNCHER_MODULE, worker_runtime_env
+
+# In a process of its own: the tests of a pytest worker share its Ray, which this one's must not replace.
+FORKED_WORKERS = """
+import os, sys, time
+import ray
+from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
+
+def cmdline(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline").read().replace("\\0", " ")
+    except FileNotFoundError:
+        return ""
+
+@ray.remote(num_cpus=1)
+class Probe:
+    def facts(self):
+        preloaded = "torch" in sys.modules and "deepspeed" in sys.modules
+        import torch
+        return {"pid": os.getpid(), "parent": cmdline(os.getppid()), "preloaded": preloaded,
+                "flag": os.environ.get("BERTPIPE_WARM_STARTED"), "mine": os.environ.get("MINE"),
+                "sum": float(torch.ones(3).sum()), "cwd": os.getcwd()}
+
+ray.init(num_cpus=1, include_dashboard=False)
+env = dict(worker_runtime_env(True, {}), env_vars={"MINE": "kept"})
+pids = []
+for _ in range(2):  # the first starts the node's warm process, the second finds it
+    probe = Probe.options(runtime_env=env).remote()
+    facts = ray.get(probe.facts.remote())
+    print("facts", facts, flush=True)
+    pids.append(facts["pid"])
+    ray.kill(probe)
+    deadline = time.monotonic() + 60
+    while cmdline(facts["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print("killed", facts["pid"], "gone" if not cmdline(facts["pid"]) else "alive", flush=True)
+cold = ray.get(Probe.remote().facts.remote())
+print("cold", cold, flush=True)
+ray.shutdown()
+"""
+
+
+@pytest.mark.integration
+def test_workers_fork_from_the_nodes_warm_process_which_ends_with_its_raylet(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", FORKED_WORKERS], env=env, capture_output=True, text=True,
+                         timeout=400, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    told = [eval(line.split(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("facts ")]
+    assert len(told) == 2, out.stdout
+    for facts in told:
+        assert f"-m {zygote.__name__}" in facts["parent"], facts  # forked by the warm process
+        assert facts["preloaded"] and facts["flag"] == "1" and facts["mine"] == "kept" and facts["sum"] == 3.0
+    assert told[0]["parent"] == told[1]["parent"]  # one warm process served both
+    assert out.stdout.count(" gone") == 2, out.stdout  # a killed actor's forked process ends
+    cold = next(line for line in out.stdout.splitlines() if line.startswith("cold "))
+    assert "'flag': None" in cold and "zygote" not in cold, cold  # without the runtime env: Ray's own start
+    warm = told[0]["parent"].split()[-1]  # its socket's path names it
+    left = lambda: subprocess.run(["pgrep", "-f", warm], capture_output=True).returncode == 0  # noqa: E731
+    assert wait_for(lambda: not left()), "the warm process outlived Ray"
+
+
+def test_a_process_with_a_second_thread_is_not_forked():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert "Python threads" in zygote.unsafe_to_fork()
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_workers_of_another_environment_get_another_warm_process_and_long_paths_fit_a_socket():
+    env = {"RAY_JOB_ID": "01000000", "A": "1"}
+    key = launcher.environment_key(env, "/w")
+    assert key == launcher.environment_key(dict(env), "/w")
+    assert key != launcher.environment_key({**env, "A": "2"}, "/w") != launcher.environment_key(env, "/v")
+    short = launcher.socket_path(["default_worker.py", "--raylet-name=/tmp/ray/s/sockets/raylet.2"], key)
+    assert short == f"/tmp/ray/s/sockets/warm-raylet.2-{key}"
+    deep = launcher.socket_path([f"--raylet-name=/{'d' * 120}/sockets/raylet"], key)
+    assert deep.startswith("/tmp/bertpipe-warm-") and len(deep) <= launcher.UNIX_PATH_MAX
+    assert launcher.log_path("/tmp/ray/s/sockets/warm-raylet-k").endswith("/bertpipe-warm-raylet-k.log")
+
+
+def test_the_workers_keep_rays_own_start_when_off_or_when_the_job_picks_their_python(caplog):
+    assert worker_runtime_env(False, {}) == {}
+    assert worker_runtime_env(True, {"pip": ["x"]}) == {} and "the job's runtime env sets pip" in caplog.text
+    on = worker_runtime_env(True, {"working_dir": "."})
+    assert on == {"py_executable": f"{sys.executable} -m {LAUNCHER_MODULE}"}
+
+
+SCRIPT = """
+import os, sys
+parent = open(f"/proc/{os.getppid()}/cmdline").read().replace("\\0", " ")
+print("ran", os.environ.get("MINE"), os.getcwd(), "forked" if "zygote" in parent else "cold", os.getppid(),
+      "torch" in sys.modules, sys.argv[1:], flush=True)
+sys.exit(7)
+"""
+
+
+def launch(script, raylet, cwd, env):
+    return subprocess.run([sys.executable, "-m", launcher.__name__, str(script), f"--raylet-name={raylet}"],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def wait_for(condition, timeout_s=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.integration
+def test_a_launch_is_a_fork_with_the_launchers_streams_environment_directory_and_exit_code(tmp_path):
+    """The launcher with any script (Ray's worker script in production): forked from one warm process, which ends
+    with its raylet; and where that process cannot start, the script runs cold, and later launches do not try
+    again."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    (tmp_path / "sockets").mkdir()
+    (tmp_path / "work").mkdir()
+    raylet = subprocess.Popen(["sleep", "600"])  # stands for the raylet: the warm process watches its pid
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "MINE": "kept",
+           "RAY_RAYLET_PID": str(raylet.pid)}
+    try:
+        runs = [launch(script, tmp_path / "sockets" / "raylet", tmp_path / "work", env) for _ in range(2)]
+        for run in runs:
+            assert run.returncode == 7, run.stderr[-2000:]
+            assert run.stdout.startswith(f"ran kept {tmp_path / 'work'} forked "), run.stdout
+            assert run.stdout.endswith(f"True ['--raylet-name={tmp_path / 'sockets' / 'raylet'}']\n"), run.stdout
+        assert runs[0].stdout.split()[4] == runs[1].stdout.split()[4]  # the same warm process
+        sockets = lambda: [p for p in (tmp_path / "sockets").iterdir() if p.is_socket()]  # noqa: E731
+        assert len(sockets()) == 1
+        raylet.kill()
+        assert wait_for(lambda: not sockets()), "the warm process outlived its raylet"
+    finally:
+        raylet.kill()
+        raylet.wait()
+
+    broken = tmp_path / "broken"
+    (broken / "mlflow").mkdir(parents=True)
+    (broken / "mlflow" / "__init__.py").write_text("raise ImportError('no MLflow here')\n")
+    env["PYTHONPATH"] = f"{broken}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    (tmp_path / "sockets2").mkdir()
+    raylet = subprocess.Popen(["sleep", "600"])
+    env["RAY_RAYLET_PID"] = str(raylet.pid)
+    try:
+        for _ in range(2):
+            run = launch(script, tmp_path / "sockets2" / "raylet", tmp_path / "work", env)
+            assert run.returncode == 7 and " cold " in run.stdout, run.stdout + run.stderr[-2000:]
+        failed = list((tmp_path / "sockets2").glob("*.failed"))
+        assert len(failed) == 1 and "exited before it was ready" in failed[0].read_text()
+        assert "no MLflow here" in next(tmp_path.glob("sockets2/bertpipe-warm-*.log")).read_text()
+    finally:
+        raylet.kill()
+        raylet.wait()
