@@ -120,6 +120,16 @@ def largest_gap(a: dict[int, float], b: dict[int, float]) -> tuple[int, float] |
     return step, abs(a[step] - b[step])
 
 
+def first_step_back(points: list[tuple[float, int]], after: float) -> float | None:
+    """When the log, after time `after`, first showed a step below one it had shown: a resumed attempt's first."""
+    highest = -1
+    for at, step in points:
+        if at > after and step < highest:
+            return at
+        highest = max(highest, step)
+    return None
+
+
 def restarts(resizes: list[dict], events: list[dict], points: list[tuple[float, int]],
              parts: dict[str, list[tuple[float, int, float]]]) -> list[dict]:
     """Each restart's latency split into its parts, in seconds after its cause: a loss from the kill (the bench's,
@@ -137,12 +147,12 @@ def restarts(resizes: list[dict], events: list[dict], points: list[tuple[float, 
         if r["kind"] in ("lost", "failed") and kills:
             kill = kills.pop(0)
             since, row["detection_s"] = kill["at"], _minus(kill.get("detected_at"), kill["at"])
-            # the new attempt's first step: the first shown after the kill below the step reached (the old attempt
-            # shows no step below it), which may come before the cluster declares the node dead; else the first
+            # the new attempt's first step: the first shown after the kill below a step shown before it (the old
+            # attempt's steps only rise), which may come before the cluster declares the node dead; else the first
             # shown after the loss was seen, one past `reached` when the redo took less than a poll
             seen = kill.get("detected_at") or kill["at"]
-            resumed_at = (first_point(points, kill["at"], above=r["resumed"], at_most=r["reached"] - 1)
-                          or first_point(points, seen, at_most=r["reached"]) or first_point(points, seen))
+            resumed_at = (first_step_back(points, kill["at"]) or first_point(points, seen, at_most=r["reached"])
+                          or first_point(points, seen))
         else:  # a grow: told as the new attempt began
             join = max((j for j in joins if j["at"] < r["at"]), key=lambda j: j["at"], default=None)
             since = join["at"] if join else r["at"]

@@ -29,9 +29,9 @@ from bertpipe.jobs.pretrain.warm_start.launcher import alive
 
 log = logging.getLogger("bertpipe.warm_start")
 
-# What a training worker imports before its first step, heaviest first (seconds of one core on the rig: Ray Train's
-# worker 0.8, torch 1.4, dynamo 1.4, DeepSpeed 0.3, MLflow 0.9). DeepSpeed comes in as the engine imports it
-# (engine/deepspeed_start.py: without MLflow, the Muon module lazy), before MLflow.
+# What a training worker imports before its first step (seconds of one core, measured one after another: Ray Train's
+# worker 0.8, torch 1.4, dynamo 1.4, DeepSpeed 0.3, MLflow 0.9, the loop 0.1). DeepSpeed comes first, as the engine
+# imports it (engine/deepspeed_start.py: without MLflow, its Muon module lazy).
 PRELOAD = ("ray.train.v2._internal.execution.worker_group.worker", "torch", "torch._dynamo", "mlflow",
            "bertpipe.jobs.pretrain.loop")
 IDLE_EXIT_S = float(os.environ.get("BERTPIPE_WARM_START_IDLE_EXIT_S", "600"))
