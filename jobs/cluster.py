@@ -185,7 +185,7 @@ def stop_writers(how: str, timeout_s: float = 30.0) -> None:
 
     if not how or not ray.is_initialized():
         return
-    workers = _local_ray_descendants() if how == "local" else []
+    workers = _local_ray_descendants() + _warm_processes() if how == "local" else []
     log.info("stopping the run's Ray tasks: ray.shutdown() (%s, %d worker processes)", how, len(workers))
     ray.shutdown(wait_for_processes=True)
     _wait_gone(workers, timeout_s)
@@ -204,6 +204,24 @@ def _local_ray_descendants() -> list:
                 procs += psutil.Process(proc.process.pid).children(recursive=True)
             except (psutil.Error, AttributeError):
                 continue
+    return procs
+
+
+def _warm_processes() -> list:
+    """The local Ray's warm processes (jobs/pretrain/warm_start/): started detached, so no descendant of Ray's; each
+    ends its forked workers and itself when its raylet exits."""
+    import psutil
+    import ray
+
+    from bertpipe.jobs.pretrain.warm_start.launcher import warm_process_pids
+
+    sockets = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "sockets")
+    procs = []
+    for pid in warm_process_pids(sockets):
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
     return procs
 
 

@@ -72,6 +72,37 @@ def test_workers_fork_from_the_nodes_warm_process_which_ends_with_its_raylet(tmp
     assert wait_for(lambda: not left()), "the warm process outlived Ray"
 
 
+# The product's own stop of a local Ray (jobs/cluster.py stop_writers): the warm process and its forks, started
+# detached from Ray's processes, are gone when it returns, as a cold worker would be.
+STOPPED_WITH_RAY = """
+import os, psutil, ray
+from bertpipe.jobs import cluster
+from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
+
+joined = cluster.ensure_ray(num_cpus=1, dashboard=False)
+
+@ray.remote(num_cpus=1)
+class Probe:
+    def pids(self):
+        return os.getpid(), os.getppid(), " ".join(psutil.Process(os.getppid()).cmdline())
+
+fork, warm, cmdline = ray.get(Probe.options(runtime_env=worker_runtime_env(True, {})).remote().pids.remote())
+print("warm", "zygote" in cmdline)
+cluster.stop_writers(joined.how)
+alive = [p for p in (fork, warm) if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+print("left", len(alive))
+"""
+
+
+@pytest.mark.integration
+def test_the_runs_stop_of_a_local_ray_returns_once_the_warm_process_and_its_forks_are_gone(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
+    out = subprocess.run([sys.executable, "-c", STOPPED_WITH_RAY], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warm True" in out.stdout and "left 0" in out.stdout, out.stdout
+
+
 def test_a_process_with_a_second_thread_is_not_forked():
     stop = threading.Event()
     thread = threading.Thread(target=stop.wait)

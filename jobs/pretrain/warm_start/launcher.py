@@ -109,6 +109,17 @@ def read_pid(path: str) -> int:
         return -1
 
 
+def warm_process_pids(sockets_dir: str) -> list[int]:
+    """The warm processes started for the raylets whose sockets are in `sockets_dir` (a Ray session's), alive."""
+    pids = []
+    for name in sorted(os.listdir(sockets_dir)) if os.path.isdir(sockets_dir) else []:
+        if name.startswith("warm-") and name.endswith(".pid"):
+            pid = read_pid(os.path.join(sockets_dir, name))
+            if alive(pid):
+                pids.append(pid)
+    return pids
+
+
 def start_detached(command: list[str], log_file: str) -> int:
     """Starts `command` as no process's child (forked twice, in a session of its own): Ray kills what a worker's
     process leaves behind when the worker ends, and the warm process outlives the worker that started it."""

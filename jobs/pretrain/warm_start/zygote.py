@@ -116,6 +116,17 @@ def become_worker(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+def raylet_exit_fd(pid: int | None) -> int | None:
+    """A descriptor that becomes readable the moment the raylet exits (a pidfd), so the warm process is gone by the
+    time Ray's shutdown returns; None where there is none (then it looks every POLL_S)."""
+    if pid is None or not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
 def exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
@@ -132,11 +143,15 @@ class Zygote:
         self.listener.listen(64)
         os.rename(staging, path)  # launchers connect only to a process that listens
         self.inode = os.stat(path).st_ino
+        self.raylet_exit = raylet_exit_fd(raylet_pid)
 
     def serve(self) -> None:
         while not self.should_exit():
-            ready, _, _ = select.select([self.listener, *self.workers], [], [], POLL_S)
+            watched = [self.listener, *self.workers, *([self.raylet_exit] if self.raylet_exit is not None else [])]
+            ready, _, _ = select.select(watched, [], [], POLL_S)
             for conn in ready:
+                if conn is self.raylet_exit:
+                    continue  # should_exit() says so at once
                 if conn is self.listener:
                     self.accept()
                 else:
@@ -168,6 +183,8 @@ class Zygote:
             pid = os.fork()
             if pid == 0:
                 self.listener.close()
+                if self.raylet_exit is not None:
+                    os.close(self.raylet_exit)
                 for other in self.workers:
                     other.close()
                 conn.close()
@@ -219,6 +236,14 @@ class Zygote:
             self.idle_since = time.monotonic()
 
     def close(self) -> None:
+        """Ends the workers still running (their raylet is gone: Ray's own would end too), then the socket: a
+        process that waits for this one's exit (jobs/cluster.py stop_writers) knows its workers are gone."""
+        for pid in self.workers.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
         try:
             if os.stat(self.path).st_ino == self.inode:
                 os.unlink(self.path)
