@@ -199,6 +199,21 @@ def test_a_restart_line_and_the_workers_first_status_in_one_poll_are_both_told(c
                                   "checkpoint, attempt 2 of 4", "restart (attempt 2) reached step 21 in 13.3 s"]
 
 
+def test_statuses_told_between_two_polls_are_all_told_in_order(capsys):
+    """A drain's notice and the checkpoint it asks for, told within one poll on a fast run: the notice is the line a
+    user must see (the CI's drain test once saw only the checkpoint's)."""
+    console, board, poll, _ = board_and_watch()
+    board.set("k", 0, {"attempt_started": 1.0, "resumed_from": 0})
+    poll()
+    board.set("k", 24, {"status": "node n1 (rank 1) is being drained (deadline in 19 s): checkpoint at step 24"})
+    board.set("k", 24, {"status": "checkpointed at step 24"})
+    poll()
+    poll()
+    console.close()
+    assert told_lines(capsys) == ["node n1 (rank 1) is being drained (deadline in 19 s): checkpoint at step 24",
+                                  "checkpointed at step 24"]
+
+
 def test_a_status_of_the_attempt_before_is_not_told_again_after_a_restart_line(capsys):
     """What the workers tell through the board (pipeline/framework/progress.py) and what the driver's watch tells
     meet on one progress line: a status is printed once, when it is told, not again because another came between."""

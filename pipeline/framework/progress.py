@@ -159,24 +159,32 @@ class Reporter:
 
 
 STATUS_SEQ = "status_seq"  # the board counts the statuses it was told: a status is an event, not a state
+STATUS_LOG = "status_log"  # and keeps the last ones, numbered: two told between two polls are both printed
+KEPT_STATUSES = 16
+EARLIER = "earlier_statuses"  # statuses_told_since's: those told since the last poll before the board's last one
 
 
 def _merged(old: dict, fields: dict) -> dict:
     merged = {**old, **fields}
     if "status" in fields:
-        merged[STATUS_SEQ] = old.get(STATUS_SEQ, 0) + 1
+        seq = old.get(STATUS_SEQ, 0) + 1
+        merged[STATUS_SEQ] = seq
+        merged[STATUS_LOG] = [*old.get(STATUS_LOG, []), (seq, fields["status"])][-KEPT_STATUSES:]
     return merged
 
 
 def statuses_told_since(fields: dict, seen: int) -> tuple[dict, int]:
     """The board's fields with its `status` only if it was told since the poll that saw status number `seen`, and
-    the number now. The board keeps the last status it was told; passed on every poll, it would be printed again
-    whenever the driver's own status (a restart's line) came in between: a restarted run said "model compiled in
-    69 s" of the attempt before, as it began compiling again."""
+    the number now; under EARLIER, the statuses told since then before that one (a drain's notice and its
+    checkpoint, told within one poll: the notice would be lost). The board keeps the last status it was told;
+    passed on every poll, it would be printed again whenever the driver's own status (a restart's line) came in
+    between: a restarted run said "model compiled in 69 s" of the attempt before, as it began compiling again."""
     seq = int(fields.get(STATUS_SEQ, 0))
+    earlier = [text for number, text in fields.get(STATUS_LOG, []) if seen < number < seq]
     if seq == seen:
         fields = {k: v for k, v in fields.items() if k != "status"}
-    return {k: v for k, v in fields.items() if k != STATUS_SEQ}, seq
+    fields = {k: v for k, v in fields.items() if k not in (STATUS_SEQ, STATUS_LOG)}
+    return ({**fields, EARLIER: earlier} if earlier else fields), seq
 
 
 class _Board:
@@ -216,13 +224,16 @@ def new_board(job_id: str):
 
 
 def poll_updates(fields: dict[str, Any], extra: dict[str, Any]) -> list[dict[str, Any]]:
-    """What one poll sets on the progress line, in order: the board's fields under the watch's `extra`; when both
-    bring a status, the watch's line and then the workers' (a restart told by the driver as the restarted workers
-    report their first step: the one would hide the other)."""
+    """What one poll sets on the progress line, in order: the statuses the board was told before its last one
+    (EARLIER), then the board's fields under the watch's `extra`; when both bring a status, the watch's line and
+    then the workers' (a restart told by the driver as the restarted workers report their first step: the one would
+    hide the other)."""
+    updates: list[dict[str, Any]] = [{"status": text} for text in fields.get(EARLIER, [])]
+    fields = {k: v for k, v in fields.items() if k != EARLIER}
     merged = {**fields, **extra}
     if extra.get("status") and fields.get("status") and fields["status"] != extra["status"]:
-        return [merged, {"status": fields["status"]}]
-    return [merged]
+        return [*updates, merged, {"status": fields["status"]}]
+    return [*updates, merged]
 
 
 @contextmanager
@@ -267,7 +278,8 @@ def poll_board(board, key: str, shown: Progress,
         thread.join()
         try:
             count, fields = read()
-            shown.set(count, **fields)
+            for update in poll_updates(fields, {}):
+                shown.set(count, **update)
             board.drop.remote(key)
         except Exception:  # noqa: BLE001
             pass

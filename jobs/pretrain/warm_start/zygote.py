@@ -36,6 +36,7 @@ PRELOAD = ("ray.train.v2._internal.execution.worker_group.worker", "torch", "tor
            "bertpipe.jobs.pretrain.loop")
 IDLE_EXIT_S = float(os.environ.get("BERTPIPE_WARM_START_IDLE_EXIT_S", "600"))
 POLL_S = 0.5
+INHERITED_SIGTERM = signal.getsignal(signal.SIGTERM)
 FORKED_ENV = "BERTPIPE_WARM_STARTED"  # set in each forked worker: the restart line says how its worker started
 
 
@@ -89,8 +90,9 @@ def become_worker(request: dict, fds: list[int]) -> None:
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
+    # The signals as a cold worker gets them: this process inherited the launcher's (what Ray's worker start
+    # ignores stays ignored) and changed only SIGTERM's.
+    signal.signal(signal.SIGTERM, INHERITED_SIGTERM)
     os.environ.clear()
     os.environ.update(request["env"])
     os.environ[FORKED_ENV] = "1"
