@@ -187,6 +187,7 @@ def test_a_launch_is_a_fork_with_the_launchers_streams_environment_directory_and
     (broken / "mlflow").mkdir(parents=True)
     (broken / "mlflow" / "__init__.py").write_text("raise ImportError('no MLflow here')\n")
     env["PYTHONPATH"] = f"{broken}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["RAY_worker_register_timeout_seconds"] = "1000"  # the launcher waits until the broken process has exited
     (tmp_path / "sockets2").mkdir()
     raylet = subprocess.Popen(["sleep", "600"])
     env["RAY_RAYLET_PID"] = str(raylet.pid)

@@ -184,7 +184,7 @@ def run_cold(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
-def wait_for(conn: socket.socket, pid: int) -> int:
+def wait_for_worker(conn: socket.socket, pid: int) -> int:
     """The forked worker's exit code, passing it the signals this process gets meanwhile."""
     def pass_on(signum: int, _frame: object) -> None:
         try:
@@ -205,7 +205,7 @@ def main(argv: list[str]) -> None:
     pid = request_fork(conn, argv, env, cwd) if conn is not None else None
     if pid is None:
         run_cold(argv)
-    sys.exit(wait_for(conn, pid))
+    sys.exit(wait_for_worker(conn, pid))
 
 
 if __name__ == "__main__":

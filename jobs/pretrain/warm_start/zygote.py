@@ -35,7 +35,7 @@ log = logging.getLogger("bertpipe.warm_start")
 PRELOAD = ("ray.train.v2._internal.execution.worker_group.worker", "torch", "torch._dynamo", "mlflow",
            "bertpipe.jobs.pretrain.loop")
 IDLE_EXIT_S = float(os.environ.get("BERTPIPE_WARM_START_IDLE_EXIT_S", "600"))
-POLL_S = 0.5
+IDLE_LOOK_S = 0.5
 INHERITED_SIGTERM = signal.getsignal(signal.SIGTERM)
 FORKED_ENV = "BERTPIPE_WARM_STARTED"  # set in each forked worker: the restart line says how its worker started
 
@@ -120,7 +120,7 @@ def become_worker(request: dict, fds: list[int]) -> None:
 
 def raylet_exit_fd(pid: int | None) -> int | None:
     """A descriptor that becomes readable the moment the raylet exits (a pidfd), so the warm process is gone by the
-    time Ray's shutdown returns; None where there is none (then it looks every POLL_S)."""
+    time Ray's shutdown returns; None where there is none (then it looks every IDLE_LOOK_S)."""
     if pid is None or not hasattr(os, "pidfd_open"):
         return None
     try:
@@ -129,7 +129,7 @@ def raylet_exit_fd(pid: int | None) -> int | None:
         return None
 
 
-def exit_code(status: int) -> int:
+def worker_exit_code(status: int) -> int:
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code
 
@@ -150,7 +150,7 @@ class Zygote:
     def serve(self) -> None:
         while not self.should_exit():
             watched = [self.listener, *self.workers, *([self.raylet_exit] if self.raylet_exit is not None else [])]
-            ready, _, _ = select.select(watched, [], [], POLL_S)
+            ready, _, _ = select.select(watched, [], [], IDLE_LOOK_S)
             for conn in ready:
                 if conn is self.raylet_exit:
                     continue  # should_exit() says so at once
@@ -227,7 +227,7 @@ class Zygote:
             if done:
                 del self.workers[conn]
                 try:
-                    conn.sendall(struct.pack("!i", exit_code(status)))
+                    conn.sendall(struct.pack("!i", worker_exit_code(status)))
                 except OSError:
                     pass
                 conn.close()
