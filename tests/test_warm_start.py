@@ -52,12 +52,18 @@ ray.shutdown()
 """
 
 
+def run_alone(script: str, cwd) -> subprocess.CompletedProcess:
+    """`script` in a Python of its own, with no Ray or MLflow setting of this process's; asserts it exited 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=400,
+                         cwd=cwd)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 @pytest.mark.integration
 def test_workers_fork_from_the_nodes_warm_process_which_ends_with_its_raylet(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    out = subprocess.run([sys.executable, "-c", FORKED_WORKERS], env=env, capture_output=True, text=True,
-                         timeout=400, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_alone(FORKED_WORKERS, tmp_path)
     told = [eval(line.split(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("facts ")]
     assert len(told) == 2, out.stdout
     for facts in told:
@@ -96,10 +102,7 @@ print("left", len(alive))
 
 @pytest.mark.integration
 def test_the_runs_stop_of_a_local_ray_returns_once_the_warm_process_and_its_forks_are_gone(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
-    out = subprocess.run([sys.executable, "-c", STOPPED_WITH_RAY], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_alone(STOPPED_WITH_RAY, tmp_path)
     assert "warm True" in out.stdout and "left 0" in out.stdout, out.stdout
 
 

@@ -87,11 +87,12 @@ class NodeWarmUp:
         """Moves the finished (or timed-out) warm-ups' nodes to the ready ones; whether any moved."""
         moved = False
         for node, (warm_up, since) in list(self.pending.items()):
-            if self.done(warm_up) or self.clock() - since > self.timeout_s:
+            done = self.done(warm_up)
+            if done or self.clock() - since > self.timeout_s:
                 del self.pending[node]
                 self.ready.add(node)
                 moved = True
-                log.info("node %s: warm-up %s", node, "done" if self.done(warm_up) else "timed out")
+                log.info("node %s: warm-up %s", node, "done" if done else "timed out")
         return moved
 
     def runtime_env(self) -> dict[str, Any]:
