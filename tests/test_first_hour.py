@@ -154,14 +154,17 @@ def serve_and_stop(command: str, cwd: Path, env: dict, port: int, run_id: str) -
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline, status = time.monotonic() + 120, None
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                status, _ = _get(base + "/", timeout=5)
-                break
-            except OSError:
-                time.sleep(1)
-        assert status == 200, f"{command}: no answer on {base} ({proc.poll()})"
+        # Listening first, then asked with _get's own patience: a short read timeout per try let a server that was
+        # up but slow to serve its first page under CI's load be asked again and again, never waited for.
+        deadline, listening = time.monotonic() + 180, False
+        while time.monotonic() < deadline and proc.poll() is None and not listening:
+            with socket.socket() as s:
+                listening = s.connect_ex(("127.0.0.1", port)) == 0
+            if not listening:
+                time.sleep(0.5)
+        assert listening, f"{command}: nothing listens on {base} (exit {proc.poll()})"
+        status, _ = _get(base + "/")
+        assert status == 200, f"{command}: {base} answered {status}"
         code, body = _get(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=bertpipe")
         assert code == 200 and json.loads(body)["experiment"]["name"] == "bertpipe"
         code, body = _get(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}")

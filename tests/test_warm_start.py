@@ -3,9 +3,12 @@ launcher's choices; and when the workers keep Ray's own start."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -166,41 +169,44 @@ def test_a_launch_is_a_fork_with_the_launchers_streams_environment_directory_and
     again."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    (tmp_path / "sockets").mkdir()
+    # Short folders for the raylets' sockets: beside a long one (a deep pytest tmp_path) the warm process's socket
+    # would go to /tmp instead (the long-path test below).
+    sockets, sockets2 = (Path(tempfile.mkdtemp(prefix="bpw-", dir="/tmp")) for _ in range(2))
     (tmp_path / "work").mkdir()
     raylet = subprocess.Popen(["sleep", "600"])  # stands for the raylet: the warm process watches its pid
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "MINE": "kept",
            "RAY_RAYLET_PID": str(raylet.pid)}
     try:
-        runs = [launch(script, tmp_path / "sockets" / "raylet", tmp_path / "work", env) for _ in range(2)]
+        runs = [launch(script, sockets / "raylet", tmp_path / "work", env) for _ in range(2)]
         for run in runs:
             assert run.returncode == 7, run.stderr[-2000:]
             assert run.stdout.startswith(f"ran kept {tmp_path / 'work'} forked "), run.stdout
-            assert run.stdout.endswith(f"True ['--raylet-name={tmp_path / 'sockets' / 'raylet'}']\n"), run.stdout
+            assert run.stdout.endswith(f"True ['--raylet-name={sockets / 'raylet'}']\n"), run.stdout
         assert runs[0].stdout.split()[4] == runs[1].stdout.split()[4]  # the same warm process
-        sockets = lambda: [p for p in (tmp_path / "sockets").iterdir() if p.is_socket()]  # noqa: E731
-        assert len(sockets()) == 1
+        listening = lambda: [p for p in sockets.iterdir() if p.is_socket()]  # noqa: E731
+        assert len(listening()) == 1
         raylet.kill()
-        assert wait_for(lambda: not sockets()), "the warm process outlived its raylet"
+        assert wait_for(lambda: not listening()), "the warm process outlived its raylet"
     finally:
         raylet.kill()
         raylet.wait()
+        shutil.rmtree(sockets, ignore_errors=True)
 
     broken = tmp_path / "broken"
     (broken / "mlflow").mkdir(parents=True)
     (broken / "mlflow" / "__init__.py").write_text("raise ImportError('no MLflow here')\n")
     env["PYTHONPATH"] = f"{broken}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["RAY_worker_register_timeout_seconds"] = "1000"  # the launcher waits until the broken process has exited
-    (tmp_path / "sockets2").mkdir()
     raylet = subprocess.Popen(["sleep", "600"])
     env["RAY_RAYLET_PID"] = str(raylet.pid)
     try:
         for _ in range(2):
-            run = launch(script, tmp_path / "sockets2" / "raylet", tmp_path / "work", env)
+            run = launch(script, sockets2 / "raylet", tmp_path / "work", env)
             assert run.returncode == 7 and " cold " in run.stdout, run.stdout + run.stderr[-2000:]
-        failed = list((tmp_path / "sockets2").glob("*.failed"))
+        failed = list(sockets2.glob("*.failed"))
         assert len(failed) == 1 and "exited before it was ready" in failed[0].read_text()
-        assert "no MLflow here" in next(tmp_path.glob("sockets2/bertpipe-warm-*.log")).read_text()
+        assert "no MLflow here" in next(sockets2.glob("bertpipe-warm-*.log")).read_text()
     finally:
         raylet.kill()
         raylet.wait()
+        shutil.rmtree(sockets2, ignore_errors=True)
