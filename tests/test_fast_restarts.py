@@ -141,7 +141,9 @@ def series(tmp_path, name: str) -> list[tuple[int, float]]:
     return sorted((p.step, p.value) for r in runs for p in client.get_metric_history(r.info.run_id, name))
 
 
-RESTARTED = (r"pretrain: restart \(attempt 2\) reached step (\d+) in ([\d.]+) s: worker start [\d.]+ s, DeepSpeed "
+# the restarted workers are forks of their nodes' warm processes (warm_start/), on the fresh nodes as elsewhere
+RESTARTED = (r"pretrain: restart \(attempt 2\) reached step (\d+) in ([\d.]+) s: worker start [\d.]+ s \(forked from "
+             r"the node's warm process\), DeepSpeed "
              r"set-up [\d.]+ s, checkpoint load [\d.]+ s, compile ([\d.]+) s \(inductor cache: (\d+) hits?, 0 misses, "
              r"loaded from the checkpoint\), first batch [\d.]+ s, rest [\d.]+ s$")
 

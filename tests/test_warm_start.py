@@ -17,7 +17,7 @@ from bertpipe.jobs.pretrain.warm_start.runtime_env import LAUNCHER_MODULE, worke
 
 # In a process of its own: the tests of a pytest worker share its Ray, which this one's must not replace.
 FORKED_WORKERS = """
-import os, sys, time
+import os, sys, threading, time
 import ray
 from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
 
@@ -32,7 +32,11 @@ class Probe:
     def facts(self):
         preloaded = "torch" in sys.modules and "deepspeed" in sys.modules
         import torch
-        return {"pid": os.getpid(), "parent": cmdline(os.getppid()), "preloaded": preloaded,
+        ids = [ray._raylet.UniqueID.from_random().hex()]  # as Ray draws a task's or an actor class's ID
+        drawer = threading.Thread(target=lambda: ids.append(ray._raylet.UniqueID.from_random().hex()))
+        drawer.start()
+        drawer.join()
+        return {"pid": os.getpid(), "parent": cmdline(os.getppid()), "preloaded": preloaded, "ids": ids,
                 "flag": os.environ.get("BERTPIPE_WARM_STARTED"), "mine": os.environ.get("MINE"),
                 "sum": float(torch.ones(3).sum()), "cwd": os.getcwd()}
 
@@ -73,6 +77,7 @@ def test_workers_fork_from_the_nodes_warm_process_which_ends_with_its_raylet(tmp
         assert f"-m {zygote.__name__}" in facts["parent"], facts  # forked by the warm process
         assert facts["preloaded"] and facts["flag"] == "1" and facts["mine"] == "kept" and facts["sum"] == 3.0
     assert told[0]["parent"] == told[1]["parent"]  # one warm process served both
+    assert not set(told[0]["ids"]) & set(told[1]["ids"])  # yet each fork draws its own IDs, in any thread
     assert out.stdout.count(" gone") == 2, out.stdout  # a killed actor's forked process ends
     cold = next(line for line in out.stdout.splitlines() if line.startswith("cold "))
     assert "'flag': None" in cold and "zygote" not in cold, cold  # without the runtime env: Ray's own start
@@ -107,6 +112,21 @@ print("left", len(alive))
 def test_the_runs_stop_of_a_local_ray_returns_once_the_warm_process_and_its_forks_are_gone(tmp_path):
     out = run_alone(STOPPED_WITH_RAY, tmp_path)
     assert "warm True" in out.stdout and "left 0" in out.stdout, out.stdout
+
+
+SEEDED_BY_IMPORT = """
+from bertpipe.jobs.pretrain.warm_start import zygote
+zygote.preload()
+print("preloaded", repr(zygote.unsafe_to_fork()))
+import ray.data  # defines @ray.remote classes, each drawing an ID
+print("ray.data", repr(zygote.unsafe_to_fork()))
+"""
+
+
+def test_the_warm_process_refuses_to_fork_once_rays_id_generator_is_seeded(tmp_path):
+    out = run_alone(SEEDED_BY_IMPORT, tmp_path).stdout
+    assert "preloaded ''" in out, out
+    assert "ray.data \"Ray's ID generator is seeded" in out, out
 
 
 def test_a_process_with_a_second_thread_is_not_forked():

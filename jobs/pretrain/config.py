@@ -132,10 +132,9 @@ class PretrainConfig:
     # With compile: torch.compile's cache saved beside every checkpoint and loaded on resume, so workers on a fresh
     # node do not compile from scratch (jobs/pretrain/checkpointing/compile_cache.py).
     compile_cache_in_checkpoint: bool = True
-    # Workers start as forks of a process per node that has already imported torch, DeepSpeed, Ray Train and the
-    # rest (jobs/pretrain/warm_start/): a restart's new processes skip ~9 s of imports each. Off by default: under
-    # the test suite's load a forked worker that owned Ray Data's split coordinator crashed (not yet explained).
-    warm_worker_start: bool = False
+    # Workers start as forks of a process per node that has already imported torch, dynamo, DeepSpeed and MLflow
+    # (jobs/pretrain/warm_start/): a restart's new processes skip ~8 s of imports each.
+    warm_worker_start: bool = True
     max_failures: int = 3
     # Steps between two looks for a node of the run being drained (a spot notice: jobs/pretrain/drain.py); each look
     # is a barrier of all workers. 0 = never look.

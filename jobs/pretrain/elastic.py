@@ -43,6 +43,7 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 from ray.train.v2._internal.util import time_monotonic
 
 from bertpipe.jobs.pretrain.config import PretrainConfig
+from bertpipe.jobs.pretrain.failed_start import release_failed_starts
 from bertpipe.jobs.pretrain.warm_start.node_warm_up import NodeWarmUp
 
 
@@ -125,6 +126,10 @@ class WholeBatchScalingPolicy(ElasticScalingPolicy):
         self.probe = probe or NodeProbe()
         self.warm_up = warm_up or NodeWarmUp({})
         self._starting = False  # inside the decision for a group not running: a start or a restart
+
+    def after_controller_start(self, train_run_context):
+        release_failed_starts()  # in the controller's process: where its worker groups start
+        super().after_controller_start(train_run_context)
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         self.reached = max([self.reached, *reported_steps(worker_group_status)])

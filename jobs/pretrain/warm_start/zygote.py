@@ -4,10 +4,10 @@ launcher.py that asks, as Python's forkserver does for multiprocessing.
 Started by the first launcher of its node and worker environment (`python -m ... <socket>`), with that launcher's
 environment, directory and interpreter, so a fork is the process a cold start would have been, less the imports. It
 serves from one thread (a fork copies only the forking thread) and refuses to fork, sending the launcher back to a
-cold start, once anything could make a fork unsafe: a second Python thread, or CUDA initialised (a forked child
-cannot use its parent's CUDA context). It exits when its raylet is gone or no worker of it has lived for
-IDLE_EXIT_S; a worker it forked is Ray's: the raylet ends it as it would a cold one, and when its launcher dies the
-warm process kills it.
+cold start, once anything could make a fork unsafe: a second Python thread, CUDA initialised (a forked child cannot
+use its parent's CUDA context), or Ray's ID generator seeded (every fork would make the same IDs). It exits when its
+raylet is gone or no worker of it has lived for IDLE_EXIT_S; a worker it forked is Ray's: the raylet ends it as it
+would a cold one, and when its launcher dies the warm process kills it.
 """
 from __future__ import annotations
 
@@ -29,11 +29,13 @@ from bertpipe.jobs.pretrain.warm_start.launcher import alive
 
 log = logging.getLogger("bertpipe.warm_start")
 
-# What a training worker imports before its first step (seconds of one core, measured one after another: Ray Train's
-# worker 0.8, torch 1.4, dynamo 1.4, DeepSpeed 0.3, MLflow 0.9, the loop 0.1). DeepSpeed comes first, as the engine
-# imports it (engine/deepspeed_start.py: without MLflow, its Muon module lazy).
-PRELOAD = ("ray.train.v2._internal.execution.worker_group.worker", "torch", "torch._dynamo", "mlflow",
-           "bertpipe.jobs.pretrain.loop")
+# What a training worker imports before its first step (seconds of one core, measured one after another: torch 1.4,
+# dynamo 1.4, DeepSpeed 0.3, MLflow 0.9). DeepSpeed comes first, as the engine imports it (engine/deepspeed_start.py:
+# without MLflow, its Muon module lazy). Not Ray Train, Ray Data or the loop (0.6-0.9 s more per worker): their
+# `@ray.remote` classes draw an ID at import, which seeds Ray's ID generator, and a fork does not re-seed it: every
+# worker forked after that made the same "random" task IDs, and two workers' calls to one actor collided in it
+# (Ray's "Check failed: erased == 1", the actor's process gone). unsafe_to_fork() checks it.
+PRELOAD = ("torch", "torch._dynamo", "mlflow", "ray")
 IDLE_EXIT_S = float(os.environ.get("BERTPIPE_WARM_START_IDLE_EXIT_S", "600"))
 IDLE_LOOK_S = 0.5
 INHERITED_SIGTERM = signal.getsignal(signal.SIGTERM)
@@ -61,7 +63,31 @@ def unsafe_to_fork() -> str:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "CUDA is initialised (a forked child cannot use it)"
+    if forks_repeat_ray_ids():
+        return "Ray's ID generator is seeded (every fork would make the same IDs)"
     return ""
+
+
+def forks_repeat_ray_ids() -> bool:
+    """Whether two forks of this process would draw the same Ray ID: Ray seeds its generator once per process, on
+    its first ID, and not again after a fork. Asked of two throwaway forks, so this process draws none itself."""
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is None:
+        return False
+    drawn = []
+    for _ in range(2):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(write_end, raylet.UniqueID.from_random().binary())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            drawn.append(pipe.read())
+        os.waitpid(pid, 0)
+    return drawn[0] == drawn[1]
 
 
 def read_request(conn: socket.socket) -> tuple[dict, list[int]]:

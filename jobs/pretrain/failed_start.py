@@ -1,0 +1,38 @@
+"""A worker group whose start fails after its workers exist is shut down, in Ray Train's controller.
+
+Ray Train (seen in 2.60) builds a worker group's state (placement group, worker actors, sync actor) before its
+after-start callbacks run; when one of those fails (its torch backend's set-up meets a worker whose node was just
+lost), `WorkerGroup._start` keeps the state, since the group "has started", while the controller never receives
+the group to shut it down. Its live workers then hold their CPUs for good, and every later start of the run waits
+for resources that never come back (the chaos bench: a node killed while the run grew onto a new one, then "worker
+group startup timed out" every 30 s). release_failed_starts() shuts such a group down before the error goes on.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def release_failed_starts() -> None:
+    """Wraps Ray Train's WorkerGroup._start, once per process (the controller's: elastic.py calls it there)."""
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    started = WorkerGroup._start
+    if getattr(started, "releases_failed_starts", False):
+        return
+
+    def start_or_release(group: WorkerGroup) -> None:
+        try:
+            started(group)
+        except Exception:
+            if group.has_started():
+                log.info("pretrain: a worker group failed after its workers started: shutting them down")
+                try:
+                    group.abort()  # its workers, sync actor and placement group; no hook that asks the workers
+                except Exception:  # noqa: BLE001 - the start's own error is the one to raise
+                    log.warning("could not shut down the failed worker group", exc_info=True)
+            raise
+
+    start_or_release.releases_failed_starts = True
+    WorkerGroup._start = start_or_release
