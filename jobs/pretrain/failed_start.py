@@ -6,6 +6,10 @@ lost), `WorkerGroup._start` keeps the state, since the group "has started", whil
 the group to shut it down. Its live workers then hold their CPUs for good, and every later start of the run waits
 for resources that never come back (the chaos bench: a node killed while the run grew onto a new one, then "worker
 group startup timed out" every 30 s). release_failed_starts() shuts such a group down before the error goes on.
+A worker lost while the group launches its training function (after those callbacks) is a failed start too: Ray
+Train raised it as it came, which its failure policy counts as a controller error and does not retry (the chaos
+bench: the run ended at the second kill); it now goes on as the WorkerGroupStartupFailedError Ray raises for a
+worker lost a moment earlier, which is retried.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ log = logging.getLogger(__name__)
 
 def release_failed_starts() -> None:
     """Wraps Ray Train's WorkerGroup._start, once per process (the controller's: elastic.py calls it there)."""
+    from ray.exceptions import RayActorError
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
     started = WorkerGroup._start
@@ -25,13 +31,16 @@ def release_failed_starts() -> None:
     def start_or_release(group: WorkerGroup) -> None:
         try:
             started(group)
-        except Exception:
-            if group.has_started():
-                log.info("pretrain: a worker group failed after its workers started: shutting them down")
-                try:
-                    group.abort()  # its workers, sync actor and placement group; no hook that asks the workers
-                except Exception:  # noqa: BLE001 - the start's own error is the one to raise
-                    log.warning("could not shut down the failed worker group", exc_info=True)
+        except Exception as error:
+            if not group.has_started():
+                raise
+            log.info("pretrain: a worker group failed after its workers started: shutting them down")
+            try:
+                group.abort()  # its workers, sync actor and placement group; no hook that asks the workers
+            except Exception:  # noqa: BLE001 - the start's own error is the one to raise
+                log.warning("could not shut down the failed worker group", exc_info=True)
+            if isinstance(error, RayActorError):
+                raise WorkerGroupStartupFailedError("A worker was lost while the worker group started.") from error
             raise
 
     start_or_release.releases_failed_starts = True
