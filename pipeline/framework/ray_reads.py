@@ -3,7 +3,8 @@ from __future__ import annotations
 
 
 def read_parquet(files: list[str], columns: list[str]):
-    """A Ray dataset of `columns` of `files`, in file order, through Ray Data's first Parquet reader.
+    """A Ray dataset of `columns` of `files`, through Ray Data's first Parquet reader: in file order where its
+    execution preserves order (`execution_options.preserve_order`, as the pre-training stage's split sets it).
 
     Ray 2.60's default reader (DataSourceV2) starts a pool of 32 footer-reading actors, each a Python process, for
     every read, whatever the number of files: the pre-training stage's four streams started 128 processes and took

@@ -154,7 +154,8 @@ def _text_file_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def read_documents(files: list[str]):
-    """A Ray dataset of (id int64, text string) rows over `files`, in file order."""
+    """A Ray dataset of (id int64, text string) rows over `files` (in file order where its execution preserves
+    order)."""
     import ray.data
 
     from bertpipe.pipeline.framework.ray_reads import read_parquet
