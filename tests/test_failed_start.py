@@ -2,11 +2,8 @@
 on a real Ray, in an actor as Ray Train's controller is."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+from own_python import run_alone
 
 # In a process of its own: the tests of a pytest worker share its Ray, which this one's must not replace.
 FAILED_START = """
@@ -65,10 +62,7 @@ ray.shutdown()
 
 @pytest.mark.integration
 def test_a_start_that_fails_after_its_workers_exist_fails_and_frees_their_cpus(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
-    out = subprocess.run([sys.executable, "-c", FAILED_START], env=env, capture_output=True, text=True, timeout=400,
-                         cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_alone(FAILED_START, tmp_path)
     # the controller sees a failed start, which its failure policy retries (a worker lost at the launch came as
     # the actor's own error, a controller error never retried), and the next start finds the CPU free: without
     # the guard Ray Train 2.60 kept the set-up's worker alive, "free CPUs 0" for good

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from own_python import run_alone
 
 from bertpipe.jobs.pretrain.warm_start import launcher, zygote
 from bertpipe.jobs.pretrain.warm_start.runtime_env import LAUNCHER_MODULE, worker_runtime_env
@@ -57,15 +58,6 @@ cold = ray.get(Probe.remote().facts.remote())
 print("cold", cold, flush=True)
 ray.shutdown()
 """
-
-
-def run_alone(script: str, cwd) -> subprocess.CompletedProcess:
-    """`script` in a Python of its own, with no Ray or MLflow setting of this process's; asserts it exited 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=400,
-                         cwd=cwd)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
 
 
 @pytest.mark.integration
