@@ -8,7 +8,6 @@ import time
 
 from bertpipe.jobs.tuning.inputs import check_init, file_checksums, init_uri, read_model_files, require_file
 from bertpipe.jobs.features.config import FeaturesConfig
-from bertpipe.jobs.features.extract import Extractor
 from bertpipe.jobs.tuning.conll import read_conll
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.framework.stage import StageContext, StageResult
@@ -29,6 +28,8 @@ def preflight(ctx: StageContext) -> None:
 
 def run_stage(ctx: StageContext) -> StageResult:
     import ray
+
+    from bertpipe.jobs.features.extract import Extractor  # torch: imported when the stage runs, not for `status`
 
     started = time.perf_counter()
     cfg = ctx.section(FeaturesConfig)

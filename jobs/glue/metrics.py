@@ -15,10 +15,11 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from scipy import stats
-from sklearn import metrics as skm
 
 from bertpipe.jobs.glue.tasks import GLUE_TASKS
+
+# scikit-learn and SciPy are imported where a metric is computed (in the trials), not at import: together they
+# take seconds, which `bertpipe status` and a run that skips every stage would spend for the averages alone.
 
 # Where a score is undefined (constant predictions or labels, fewer than two rows) it is 0.0, never NaN: a
 # degenerate model scores as no better than chance and the averages stay numbers. scikit-learn already answers 0.0
@@ -28,22 +29,30 @@ from bertpipe.jobs.glue.tasks import GLUE_TASKS
 
 
 def accuracy(preds, labels) -> float:
+    from sklearn import metrics as skm
+
     return float(skm.accuracy_score(np.asarray(labels), np.asarray(preds)))
 
 
 def f1_binary(preds, labels) -> float:
     """F1 of the positive class 1 (MRPC, QQP); 0 when there is no true or predicted positive."""
+    from sklearn import metrics as skm
+
     return float(skm.f1_score(np.asarray(labels) == 1, np.asarray(preds) == 1, zero_division=0.0))
 
 
 def matthews_corrcoef(preds, labels) -> float:
     """Multiclass Matthews correlation (Gorodkin's R_K), = the binary phi coefficient; 0 when undefined."""
+    from sklearn import metrics as skm
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "A single label was found", UserWarning)  # the 0.0 case
         return float(skm.matthews_corrcoef(np.asarray(labels), np.asarray(preds)))
 
 
 def _correlation(fn, x, y) -> float:
+    from scipy import stats
+
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if len(x) != len(y):
         raise ValueError(f"{len(x)} values for {len(y)}")
@@ -56,11 +65,15 @@ def _correlation(fn, x, y) -> float:
 
 
 def pearson(x, y) -> float:
+    from scipy import stats
+
     return _correlation(stats.pearsonr, x, y)
 
 
 def spearman(x, y) -> float:
     """Pearson of the ranks, ties getting the mean of their ranks (scipy.stats.spearmanr)."""
+    from scipy import stats
+
     return _correlation(stats.spearmanr, x, y)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bertpipe.jobs.glue.config import GlueConfig
 from bertpipe.jobs.glue.report import (SMOKE_LABEL, TaskOutcome, as_fractions, scores, summary_table,
@@ -25,13 +25,15 @@ from bertpipe.jobs.glue.report import (SMOKE_LABEL, TaskOutcome, as_fractions, s
 from bertpipe.jobs.glue.sample import write_sample
 from bertpipe.jobs.glue.tasks import (AX, GLUE_TASKS, HF_GLUE, HF_SPLITS, TASKS, get_task, has_split, parquet_files,
                                      read_task, split_uri, task_format, task_present)
-from bertpipe.jobs.glue.trial import GlueTask
 from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import failures, fanout, kept
 from bertpipe.jobs.tuning.inputs import check_init, init_uri, read_model_files
 from bertpipe.pipeline.framework import parts, storage
 from bertpipe.pipeline.framework.identity import describe_file
 from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
+
+if TYPE_CHECKING:
+    from bertpipe.jobs.glue.trial import GlueTask
 
 log = logging.getLogger("bertpipe.glue")
 
@@ -114,6 +116,8 @@ def plan_task(name: str, glue_dir: str, cfg: GlueConfig, ctx: StageContext, pare
     log.info("glue: %s: %d train rows (%d used), dev %s, test %s", name, len(data.train), outcome.num_train,
              {k: len(v) for k, v in data.dev.items()}, {k: len(v) for k, v in data.test.items()})
     base = kept.base_key("glue", cfg, ctx.seed, model_digest, data.files, task=name)
+    from bertpipe.jobs.glue.trial import GlueTask  # torch: imported when trials are planned, not for `status`
+
     return outcome, GlueTask(data), fanout.plan("glue", cfg, ctx, outcome.run, base, group=name)
 
 

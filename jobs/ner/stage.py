@@ -15,7 +15,6 @@ import logging
 import time
 
 from bertpipe.jobs.ner.config import NerConfig
-from bertpipe.jobs.ner.trial import NerData, NerTask
 from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.conll import format_predictions, read_conll
@@ -35,6 +34,8 @@ def load_conll_data(cfg: NerConfig):
     """(NerData, train file, eval file): both read and checked (StageInputError naming file:line)."""
     train = read_conll(cfg.train_file, cfg.entity_types, cfg.scheme)
     evaluation = read_conll(cfg.eval_file, cfg.entity_types, cfg.scheme)
+    from bertpipe.jobs.ner.trial import NerData  # torch: imported when the stage runs
+
     return NerData(train.sentences, evaluation.sentences, cfg.labels), train, evaluation
 
 
@@ -51,6 +52,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("ner: %d train / %d eval sentences (%s / %s), init %s", len(data.train), len(data.eval), train.scheme,
              evaluation.scheme, init)
     parent = RunLogger(ctx.tracking)
+    from bertpipe.jobs.ner.trial import NerTask  # torch: imported when the stage runs
+
     trials = fanout.sweep("ner", NerTask(data), ctx, cfg, read_model_files(init), describe_raw_inputs(cfg), parent)
     best = fanout.best_of(trials)
     used = min(len(data.train), cfg.max_train_examples or len(data.train))

@@ -26,7 +26,6 @@ from bertpipe.jobs.services.capacity import FIX, Need, ask_autoscaler, release_r
 from bertpipe.jobs.services.code_version import COMMIT_TAG, code_version
 from bertpipe.jobs.services.configtools import stable_hash, to_dict
 from bertpipe.jobs.services.interrupts import Interrupted
-from bertpipe.jobs.pretrain.attempts import AttemptWatch
 from bertpipe.jobs.pretrain import runs
 from bertpipe.jobs.pretrain.init import describe_raw_inputs  # noqa: F401 - the stage's raw inputs: pretrain.init's files
 from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
@@ -34,9 +33,6 @@ from bertpipe.jobs.pretrain.checkpointing.folders import state_of, step_of, surv
 from bertpipe.jobs.pretrain.config import ModelConfig, PretrainConfig, layout_warning
 from bertpipe.jobs.pretrain.controller_env import controller_env
 from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
-from bertpipe.jobs.pretrain.loop import train_loop_per_worker
-from bertpipe.jobs.pretrain.data.masking import COLUMNS
-from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError
 from bertpipe.jobs.pretrain.metrics.rate import ProgressFigures
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import MODEL_ALIAS, RunLogger, unwrap
@@ -95,6 +91,8 @@ def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
     if meta.get("max_seq_length") != max_seq_length:
         raise StageInputError(f"{uri} was built for max_seq_length {meta.get('max_seq_length')}, "
                               f"expected {max_seq_length}")
+    from bertpipe.jobs.pretrain.data.masking import COLUMNS  # torch: imported when the stage is to run
+
     fs, path = storage.resolve(uri)
     try:
         with fs.open_input_file(path) as f:
@@ -248,6 +246,8 @@ def _datasets(pairs_uri: str, spec: WorkerSpec) -> tuple[dict[str, Any], WorkerS
         if cfg.elastic:  # the workers read the shards themselves, in the order every worker count shares
             shards[L] = train
         else:
+            from bertpipe.jobs.pretrain.data.masking import COLUMNS
+
             datasets[f"train_{L}"] = read_parquet(train, COLUMNS)
         heldouts[L] = heldout
     return datasets, dataclasses.replace(spec, rows=rows, heldout=heldouts, train_shards=shards)
@@ -276,6 +276,7 @@ def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
 
     from bertpipe.jobs.pretrain.attempt_clock import AttemptClock
     from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer
+    from bertpipe.jobs.pretrain.loop import train_loop_per_worker
     from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
 
     cfg = spec.pretrain
@@ -424,6 +425,21 @@ def final_metrics(ctx: StageContext, result: Any, baselines: dict, run: RunLogge
     return metrics, learning_files
 
 
+def attempt_watch(cfg: PretrainConfig, run: RunLogger):
+    from bertpipe.jobs.pretrain.attempts import AttemptWatch  # Ray Train: imported when the stage runs
+
+    return AttemptWatch(cfg.max_failures, run)
+
+
+def raise_if_stopped(storage_path: str, run_name: str) -> None:
+    """NonFiniteError when the workers stopped the run because the loss or gradient norm stopped being finite."""
+    stopped = take_stop_reason(storage_path, run_name)
+    if stopped:
+        from bertpipe.jobs.pretrain.metrics.meter import NonFiniteError  # torch: imported when the stage runs
+
+        raise NonFiniteError(stopped)
+
+
 def run_stage(ctx: StageContext) -> StageResult:
     import concurrent.futures
 
@@ -453,7 +469,7 @@ def run_stage(ctx: StageContext) -> StageResult:
         ctx.console.tell(worlds_line(cfg), log)
     log.info("pretrain: %s workers, ZeRO %d, %s steps, storage %s/%s%s", workers_text(cfg), cfg.zero_stage,
              list(cfg.phase_steps()), storage_path, spec.run_name, f", resuming from {resume}" if resume else "")
-    watch = AttemptWatch(cfg.max_failures, run)
+    watch = attempt_watch(cfg, run)
     with ctx.console.remote_progress("pretrain", cfg.max_steps, "steps", ProgressFigures(cfg), watch=watch) \
             as progress, \
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="baselines") as driver_side:
@@ -465,9 +481,7 @@ def run_stage(ctx: StageContext) -> StageResult:
             # Ray Train's controller answers Ctrl-C by aborting the run and sys.exit(0): a user's interrupt, and
             # the CLI must end it as one (exit 130, MLflow runs KILLED), not as a success.
             raise Interrupted(signal.SIGINT) from exc
-    stopped = take_stop_reason(storage_path, spec.run_name)
-    if stopped:
-        raise NonFiniteError(stopped)
+    raise_if_stopped(storage_path, spec.run_name)
     tail = time.perf_counter()
     metrics, learning_files = final_metrics(ctx, result, early_baselines.result(), run)
     metrics["seconds"] = time.time() - started

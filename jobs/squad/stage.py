@@ -14,15 +14,18 @@ import json
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 from bertpipe.jobs.squad.config import SquadConfig
 from bertpipe.jobs.squad.data import read_squad
-from bertpipe.jobs.squad.trial import SquadData, SquadTask
 from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import fanout
 from bertpipe.jobs.tuning.inputs import check_train_eval, file_checksums, init_uri, read_model_files
 from bertpipe.pipeline.framework import parts, storage
 from bertpipe.pipeline.framework.stage import StageContext, StageInputError, StageResult
+
+if TYPE_CHECKING:
+    from bertpipe.jobs.squad.trial import SquadData
 
 log = logging.getLogger("bertpipe.squad")
 SHOWN = ("exact_match", "f1")
@@ -45,6 +48,8 @@ def load_squad_data(cfg: SquadConfig) -> SquadData:
                               f"(e.g. {sorted(shared)[0]}): split the file by article (squad.train_articles / "
                               "squad.eval_articles)")
     version_2 = evaluation.version_2 if cfg.version == "auto" else cfg.version == "2.0"
+    from bertpipe.jobs.squad.trial import SquadData  # torch: imported when the stage runs
+
     return SquadData(train.examples, evaluation.examples, version_2)
 
 
@@ -73,6 +78,8 @@ def run_stage(ctx: StageContext) -> StageResult:
     log.info("squad: %d train / %d eval questions (v%s), init %s", len(data.train), len(data.eval),
              "2.0" if data.version_2 else "1.1", init)
     parent = RunLogger(ctx.tracking)
+    from bertpipe.jobs.squad.trial import SquadTask  # torch: imported when the stage runs
+
     trials = fanout.sweep("squad", SquadTask(data), ctx, cfg, read_model_files(init), describe_raw_inputs(cfg),
                           parent)
     best = fanout.best_of(trials)

@@ -21,7 +21,7 @@ from typing import Any
 from bertpipe.jobs.services.tracking import RunLogger
 from bertpipe.jobs.tuning import failures, kept
 from bertpipe.jobs.tuning.inputs import write_model_files
-from bertpipe.jobs.tuning.loop import TrialResult, TrialTask, run_trial
+from bertpipe.jobs.tuning.trial_types import TrialResult, TrialTask
 from bertpipe.jobs.tuning.progress import TrialsProgress
 from bertpipe.pipeline.framework import parts, storage
 from bertpipe.pipeline.framework.console import Console
@@ -93,6 +93,8 @@ def _trial_body(model_files: dict[str, bytes], task: TrialTask, lr: float, seed:
     with tempfile.TemporaryDirectory(prefix="bertpipe-trial-") as tmp:
         model_dir = write_model_files(model_files, tmp)
         saved = f"{tmp}/fine-tuned"
+        from bertpipe.jobs.tuning.loop import run_trial  # torch: in the trial's own process
+
         result = run_trial(model_dir, task, lr, seed, recipe, lambda epoch, row: run.log_metrics(row, step=epoch),
                            reporter.set, saved)
         storage.upload_dir(saved, save_uri)

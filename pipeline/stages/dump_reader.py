@@ -21,8 +21,6 @@ import xml.parsers.expat
 from dataclasses import dataclass
 from typing import Iterator
 
-import smart_open
-
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.framework.stage import StageInputError
 
@@ -92,6 +90,8 @@ def _remote_glob(pattern: str) -> list[str]:
 
 
 def _open_raw(uri: str):
+    import smart_open  # here, not at import: its import takes ~1 s, which `bertpipe status` reads no dump for
+
     try:
         return smart_open.open(uri, "rb", compression="disable")
     except (FileNotFoundError, OSError, ValueError) as exc:
@@ -342,6 +342,8 @@ def find_index(uri: str) -> str | None:
     for suffix in _INDEX_SUFFIXES:
         candidate = base + suffix
         if storage.is_remote(candidate) and not candidate.startswith("file://"):
+            import smart_open
+
             try:
                 with smart_open.open(candidate, "rb", compression="disable"):
                     return candidate
@@ -354,6 +356,8 @@ def find_index(uri: str) -> str | None:
 
 def read_stream_offsets(index_uri: str) -> list[int]:
     """Sorted distinct byte offsets of the page streams listed in a multistream index (`offset:page_id:title`)."""
+    import smart_open
+
     offsets: set[int] = set()
     try:
         with smart_open.open(index_uri, "rt", encoding="utf-8", compression="infer_from_extension") as f:
