@@ -425,7 +425,7 @@ def test_a_job_whose_driver_was_killed_resumes_from_its_checkpoint_when_submitte
                "--set", f"pretrain.input={tmp_path / 'inputs' / 'pairs'}",
                "--set", f"vocab.path={tmp_path / 'inputs' / 'vocab' / 'vocab.txt'}",
                "--set", f"pretrain.phases={phase}",
-               "--set", "pretrain.max_steps=300", "--set", "pretrain.checkpoint_every_steps=20",
+               "--set", "pretrain.max_steps=100", "--set", "pretrain.checkpoint_every_steps=20",
                "--set", "pretrain.eval_every_steps=0"]
     first = bertpipe("submit", "--no-wait", "--", *command, env=env, cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -441,5 +441,5 @@ def test_a_job_whose_driver_was_killed_resumes_from_its_checkpoint_when_submitte
     again = bertpipe("submit", "--", *command, env=env, cwd=tmp_path, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     metrics = json.loads((workdir / "pretrain" / "metrics.json").read_text())
-    assert metrics["step"] == 300 and metrics["resumed_from_step"] >= 20, metrics
+    assert metrics["step"] == 100 and metrics["resumed_from_step"] >= 20, metrics
     print(f"\nresubmitted job resumed from step {metrics['resumed_from_step']:.0f}")

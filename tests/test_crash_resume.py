@@ -155,6 +155,11 @@ def test_kill_9_mid_pairs_shard_then_the_same_command_commits_what_an_uninterrup
     print(f"\npairs killed at its first part file; rerun finished in {seconds:.1f} s")
 
 
+# Long enough that each kill point comes well before the end (a checkpoint every 20 steps), short enough that the
+# rerun's steps after the resume point stay a small part of the test.
+PRETRAIN_STEPS = 80
+
+
 def _synthetic_pretrain(tmp_path: Path) -> list[str]:
     import sys
 
@@ -168,7 +173,7 @@ def _synthetic_pretrain(tmp_path: Path) -> list[str]:
     return ["--workdir", str(tmp_path / "w"), "--only", "pretrain",
             "--set", f"pretrain.input={tmp_path / 'inputs' / 'pairs'}",
             "--set", f"vocab.path={tmp_path / 'inputs' / 'vocab' / 'vocab.txt'}", "--set", f"pretrain.phases={phase}",
-            "--set", "pretrain.max_steps=200", "--set", "pretrain.checkpoint_every_steps=20",
+            "--set", f"pretrain.max_steps={PRETRAIN_STEPS}", "--set", "pretrain.checkpoint_every_steps=20",
             "--set", "pretrain.eval_every_steps=0"]
 
 
@@ -236,7 +241,7 @@ def test_kill_9_during_pretraining_resumes_from_the_last_complete_checkpoint(tmp
         assert len(said) == 1 and "resuming from the step-" in said[0], done.stdout
         before = before[:-1]  # the torn one is no resume point
     metrics = json.loads((workdir / "pretrain" / "metrics.json").read_text())
-    assert metrics["step"] == 200
+    assert metrics["step"] == PRETRAIN_STEPS
     resumed = int(metrics["resumed_from_step"])
     # the newest complete checkpoint: the newest one the kill left, or the one before it if the kill tore it
     assert (resumed in before and resumed >= max(before) - 20) if before else resumed == 0, (before, resumed)

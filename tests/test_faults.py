@@ -374,24 +374,6 @@ def test_sigterm_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, h
     assert workflow.data.tags["bertpipe.status"] == "killed"
 
 
-# Slow (~30 s; on a loaded machine the signal can arrive after pairs has finished: exit 0). The interrupt path
-# during pairs (writers stopped, no temporary file, MLflow runs KILLED) is covered by
-# test_sigterm_stops_the_writers_and_marks_the_mlflow_runs_killed; SIGINT itself (exit 130, the three lines, the
-# run's Ray processes gone, both MLflow runs KILLED) by test_sigint_during_pretraining_ends_as_an_interrupt.
-@pytest.mark.slow
-@pytest.mark.integration
-def test_sigint_stops_the_writers_and_marks_the_mlflow_runs_killed(committed, home, tmp_path, ray_tmp):
-    workdir = copy_of(committed, tmp_path / "w")
-    proc, out = start_pairs(home, workdir, ray_tmp)
-    wait_for_writers(workdir / "pairs", proc)
-    interrupt(proc, signal.SIGINT, workdir / "pairs")
-    code, _, stderr = finish(proc, out)
-
-    assert_interrupted(signal.SIGINT, code, stderr, workdir, ray_tmp)
-    status = {name: r.info.status for name, r in runs(f"sqlite:///{workdir / 'mlflow.db'}").items()}
-    assert sorted(status.values()) == ["KILLED", "KILLED"], status
-
-
 # ------------------------------------------------------------------------------------------------------------------
 # kill -9: nothing runs in the driver; the next run of the workdir closes what it left
 

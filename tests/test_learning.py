@@ -3,6 +3,9 @@ BERT's recipe (whole words, the 15% budget, 80/10/10, seeded), the trivial-predi
 should, and the curves are real PNGs."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +136,13 @@ def test_curves_are_png_images():
     pngs = curve_pngs(history, {"baseline_mlm_accuracy": 0.05, "baseline_nsp_accuracy": 0.5})
     assert sorted(pngs) == ["curve_accuracy.png", "curve_loss.png"]
     assert all(blob.startswith(b"\x89PNG\r\n\x1a\n") and len(blob) > 5000 for blob in pngs.values())
+    # the same figures, the same bytes, in another process too: no time, path or process id in a PNG, so a run
+    # again with the same seed writes the same curves
+    code = ("import json, sys; from bertpipe.jobs.pretrain.learning.curves import curve_pngs; "
+            "h, b = json.loads(sys.argv[1]); sys.stdout.buffer.write(curve_pngs(h, b)['curve_loss.png'])")
+    figures = json.dumps([history, {"baseline_mlm_accuracy": 0.05, "baseline_nsp_accuracy": 0.5}])
+    again = subprocess.run([sys.executable, "-c", code, figures], capture_output=True, timeout=300, check=True)
+    assert again.stdout == pngs["curve_loss.png"]
 
 
 def test_best_threshold_is_the_training_optimum_of_the_notnext_below_rule():

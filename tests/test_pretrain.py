@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from bertpipe.jobs.pretrain.checkpointing.export_card import CARD_FILES
 from bertpipe.jobs.pretrain.checkpointing.export import EXPORT_FILES
 from bertpipe.jobs.pretrain.stage import run_stage
 from bertpipe.jobs.pretrain.config import ModelConfig, PhaseConfig
 from bertpipe.pipeline.framework.stage import StageInputError
-from pretrain_helpers import SPECIALS, TOKENS, context, export_params, make_inputs, tiny_config
+from pretrain_helpers import SPECIALS, TOKENS, context, make_inputs, tiny_config
 
 pytestmark = pytest.mark.integration
 
@@ -167,38 +166,6 @@ def test_two_phases_zero3_learns_and_ends_at_phase2_length(straight, ray_local, 
     for key in ("sequences_per_second", "data_wait_fraction"):
         assert [x.step for x in client.get_metric_history(run_id, f"train/throughput/{key}")] == [20, 30, 40, 50, 54]
     assert [x.value for x in client.get_metric_history(run_id, "train/seq_length")][-2:] == [32, 64]
-
-
-# Slow (two Ray Train runs and a retry): a killed worker's in-run retry from the last checkpoint and a rerun of the
-# failed stage, both bit-identical to the run never killed, are also covered by test_pretrain_lamb.py::
-# test_lamb_retries_then_reruns_bit_exactly_from_a_checkpoint (LAMB under ZeRO 2, in the default suite); this is
-# the AdamW state under ZeRO 1. One chain tests both paths: the rerun's own run reaches a later checkpoint, which the
-# retry then resumes, so each resume is seen and the end is compared once.
-@pytest.mark.slow
-def test_rerun_stage_resumes_and_a_killed_worker_resumes_from_last_checkpoint(straight, data, tmp_path, faults):
-    """No retries left: rank 1 dies at step 30 and the stage fails; running the stage again continues from step 20
-    (checkpoints live outside the output folder). In that rerun, with one retry allowed, rank 1 dies at step 50;
-    Ray Train's retry restarts from the step-40 checkpoint, and the end is bit-identical to the uninterrupted run,
-    its learning curves' data and baselines too."""
-    import ray.train
-
-    _, inputs = data
-    faults.arm(step=30, rank=1, then=(50, 1))
-    with pytest.raises(ray.train.TrainingFailedError):
-        run_stage(context(tmp_path, inputs, base_config(zero_stage=1, max_failures=0)))
-    assert [(k["step"], k["started_at"]) for k in faults.kills] == [(30, 0)]
-    ctx = context(tmp_path, inputs, base_config(zero_stage=1, max_failures=1))  # retries: layout, the same run
-    result = run_stage(ctx)
-    # the rerun's worker started from the step-20 checkpoint; the retry's, from the step-40 one (not from 20 or 0)
-    assert [(k["step"], k["started_at"]) for k in faults.kills] == [(30, 0), (50, 20)]
-    assert result.metrics["resumed_from_step"] == 40 and result.metrics["step"] == STEPS
-    reference = export_params(straight[0])
-    got = export_params(ctx)
-    assert reference.keys() == got.keys()
-    assert all(torch.equal(reference[k], got[k]) for k in reference)
-    # the curves' data survive the resumes (saved in the checkpoints) and the baselines are the same figures
-    for name in ("history.json", "baselines.json"):
-        assert (Path(ctx.output_uri) / name).read_text() == (Path(straight[0].output_uri) / name).read_text()
 
 
 # ------------------------------------------------------------------ bad input, refused before training

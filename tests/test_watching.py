@@ -7,13 +7,10 @@ from __future__ import annotations
 import collections
 import json
 import re
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import user_env
 
 pytestmark = pytest.mark.integration
 
@@ -114,32 +111,3 @@ def test_final_evaluation_is_logged_at_the_last_step(watched):
         if "/" not in name:
             assert [m.step for m in client.get_metric_history(pretrain.info.run_id, name)] == [0], name
 
-
-# Slow (~26 s, a local Ray of its own): a failed stage's MLflow run FAILED with its one-line error and its traceback,
-# under a FAILED workflow run, is tests/test_faults.py::test_error_inside_a_ray_data_task_shows_its_cause_only; a
-# GLUE task whose trials fail failing the stage, tests/test_task_failures.py.
-@pytest.mark.slow
-def test_failed_stage_is_marked_failed_with_error_and_traceback(watched, tmp_path):
-    """Fine-tuning from a checkpoint whose weights are not a safetensors file: every trial fails. In a copy of the
-    shared run's workdir: the failed stage clears its folder, which other modules' tests read."""
-    broken = tmp_path / "broken-ckpt"
-    shutil.copytree(watched["workdir"] / "pretrain" / "export", broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    workdir = tmp_path / "failing-work"
-    shutil.copytree(watched["workdir"], workdir)
-    one_trial = ["glue.tasks=[MRPC]", "glue.learning_rates=[1e-4]", "glue.num_epochs=1"]
-    proc = subprocess.run([str(BIN / "bertpipe"), "run", "--config", "configs/tiny.yaml", "--workdir", str(workdir),
-                           "--only", "glue", "--set", f"glue.init={broken}",
-                           *[a for s in one_trial for a in ("--set", s)]], cwd=watched["clone"],
-                          env=user_env(watched["ray_tmp"]), capture_output=True, text=True, timeout=600)
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-3].startswith("bertpipe: stage glue failed:")
-    assert (watched["workdir"] / "glue" / "_MANIFEST.json").is_file()  # the shared run is untouched
-    client = _client(workdir)
-    parent = max(_workflow_runs(client), key=lambda r: r.info.start_time)
-    assert parent.info.status == "FAILED" and parent.data.tags["bertpipe.status"] == "failed"
-    stage = [r for r in client.search_runs([parent.info.experiment_id])
-             if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id][0]
-    assert stage.info.status == "FAILED" and "1 of 1 requested GLUE tasks failed: MRPC: trial MRPC/lr=0.0001/seed=1: " \
-        "ValueError: " in stage.data.tags["bertpipe.error"]
-    assert "traceback.txt" in [a.path for a in client.list_artifacts(stage.info.run_id)]
