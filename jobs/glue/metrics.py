@@ -50,7 +50,8 @@ def matthews_corrcoef(preds, labels) -> float:
         return float(skm.matthews_corrcoef(np.asarray(labels), np.asarray(preds)))
 
 
-def _correlation(fn, x, y) -> float:
+def _correlation(name: str, x, y) -> float:
+    """scipy.stats' `name` (pearsonr, spearmanr) of x and y."""
     from scipy import stats
 
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
@@ -60,21 +61,17 @@ def _correlation(fn, x, y) -> float:
         return 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", stats.ConstantInputWarning)
-        r = float(fn(x, y).statistic)
+        r = float(getattr(stats, name)(x, y).statistic)
     return 0.0 if np.isnan(r) else r
 
 
 def pearson(x, y) -> float:
-    from scipy import stats
-
-    return _correlation(stats.pearsonr, x, y)
+    return _correlation("pearsonr", x, y)
 
 
 def spearman(x, y) -> float:
     """Pearson of the ranks, ties getting the mean of their ranks (scipy.stats.spearmanr)."""
-    from scipy import stats
-
-    return _correlation(stats.spearmanr, x, y)
+    return _correlation("spearmanr", x, y)
 
 
 METRICS = {"accuracy": accuracy, "f1": f1_binary, "mcc": matthews_corrcoef, "pearson": pearson,

@@ -36,6 +36,7 @@ from bertpipe.jobs.pretrain.engine.deepspeed_config import deepspeed_config
 from bertpipe.jobs.pretrain.metrics.rate import ProgressFigures
 from bertpipe.jobs.pretrain.worker_spec import WorkerSpec
 from bertpipe.jobs.services.tracking import MODEL_ALIAS, RunLogger, unwrap
+from bertpipe.pipeline.formats.shards import TRAINING_COLUMNS
 from bertpipe.pipeline.framework import storage
 from bertpipe.pipeline.framework.console import Console
 from bertpipe.pipeline.framework.paths import export_of
@@ -91,13 +92,11 @@ def check_shard(uri: str, vocab_hash: str, max_seq_length: int) -> int:
     if meta.get("max_seq_length") != max_seq_length:
         raise StageInputError(f"{uri} was built for max_seq_length {meta.get('max_seq_length')}, "
                               f"expected {max_seq_length}")
-    from bertpipe.jobs.pretrain.data.masking import COLUMNS  # torch: imported when the stage is to run
-
     fs, path = storage.resolve(uri)
     try:
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
-            missing = [c for c in COLUMNS if c not in pf.schema_arrow.names]
+            missing = [c for c in TRAINING_COLUMNS if c not in pf.schema_arrow.names]
             num_rows = pf.metadata.num_rows
     except (OSError, pa.ArrowException) as exc:
         raise StageInputError(f"{uri} is not a readable Parquet shard: {exc}") from exc
@@ -246,9 +245,7 @@ def _datasets(pairs_uri: str, spec: WorkerSpec) -> tuple[dict[str, Any], WorkerS
         if cfg.elastic:  # the workers read the shards themselves, in the order every worker count shares
             shards[L] = train
         else:
-            from bertpipe.jobs.pretrain.data.masking import COLUMNS
-
-            datasets[f"train_{L}"] = read_parquet(train, COLUMNS)
+            datasets[f"train_{L}"] = read_parquet(train, TRAINING_COLUMNS)
         heldouts[L] = heldout
     return datasets, dataclasses.replace(spec, rows=rows, heldout=heldouts, train_shards=shards)
 

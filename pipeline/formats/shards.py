@@ -75,6 +75,10 @@ def shard_schema(vocab_size: int, max_seq_length: int, meta: dict) -> pa.Schema:
 # Rows per Parquet row group of a shard: a reader streams a shard a row group at a time, without loading it whole.
 SHARD_ROW_GROUP_ROWS = 65_536
 
+# The shard columns pre-training reads (what jobs/pretrain/data/masking.py's mask_batch takes): the streams, the
+# held-out reads and the stage's check of each shard select these.
+TRAINING_COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
+
 
 def write_shard(uri: str, table: pa.Table) -> None:
     """Write one shard (table already in shard_schema, metadata included) to a temporary name, then rename it."""

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bertpipe.jobs.pretrain.data.masking import COLUMNS
+from bertpipe.pipeline.formats.shards import TRAINING_COLUMNS
 from bertpipe.pipeline.framework import storage
 
 
@@ -29,7 +29,7 @@ def read_heldout(uri: str, rank: int, world: int, total_rows: int, max_batches: 
     fs, path = storage.resolve(uri)
     pieces, seen = [], 0
     with fs.open_input_file(path) as f:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=max(batch_size, 1024), columns=COLUMNS):
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=max(batch_size, 1024), columns=TRAINING_COLUMNS):
             lo, hi = max(start - seen, 0), min(end - seen, batch.num_rows)
             if lo < hi:
                 pieces.append(batch.slice(lo, hi - lo))
@@ -39,5 +39,5 @@ def read_heldout(uri: str, rank: int, world: int, total_rows: int, max_batches: 
     if sum(p.num_rows for p in pieces) != n:
         raise ValueError(f"held-out shard {uri} has {seen} rows, {total_rows} were counted when the run started")
     table = pa.Table.from_batches(pieces)
-    return [{c: table.slice(i, batch_size).column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}
+    return [{c: table.slice(i, batch_size).column(c).to_numpy(zero_copy_only=False) for c in TRAINING_COLUMNS}
             for i in range(0, n, batch_size)]

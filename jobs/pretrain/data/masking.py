@@ -26,8 +26,6 @@ from bertpipe.model.bert import IGNORE_INDEX
 from bertpipe.model.training import round_up
 from bertpipe.pipeline.formats.tokenizer import SPECIAL_TOKENS
 
-# The shard columns mask_batch reads: what the pre-training streams and the held-out reads (heldout.py) select.
-COLUMNS = ["input_ids", "segment_b_start", "next_sentence_label"]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from bertpipe.jobs.pretrain.data.masking import COLUMNS, seed_of
+from bertpipe.jobs.pretrain.data.masking import seed_of
+from bertpipe.pipeline.formats.shards import TRAINING_COLUMNS
 
 # The rank slot of a shared-order seed: no worker's rank, so no fixed-count stream shares its seeds.
 SHARED = 2**31 - 1
@@ -38,8 +39,8 @@ def read_shard_columns(uri: str) -> dict[str, np.ndarray]:
     from bertpipe.pipeline.framework import storage
 
     fs, path = storage.resolve(uri)
-    table = pq.read_table(path, filesystem=fs, columns=list(COLUMNS))
-    return {c: table.column(c).to_numpy(zero_copy_only=False) for c in COLUMNS}
+    table = pq.read_table(path, filesystem=fs, columns=list(TRAINING_COLUMNS))
+    return {c: table.column(c).to_numpy(zero_copy_only=False) for c in TRAINING_COLUMNS}
 
 
 def global_batches(files: list[str], seed: int, phase: int, epoch: int, global_batch: int, skip: int = 0,
