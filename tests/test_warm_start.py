@@ -137,11 +137,45 @@ def test_workers_of_another_environment_get_another_warm_process_and_long_paths_
     key = launcher.environment_key(env, "/w")
     assert key == launcher.environment_key(dict(env), "/w")
     assert key != launcher.environment_key({**env, "A": "2"}, "/w") != launcher.environment_key(env, "/v")
-    short = launcher.socket_path(["default_worker.py", "--raylet-name=/tmp/ray/s/sockets/raylet.2"], key)
-    assert short == f"/tmp/ray/s/sockets/warm-raylet.2-{key}"
-    deep = launcher.socket_path([f"--raylet-name=/{'d' * 120}/sockets/raylet"], key)
-    assert deep.startswith("/tmp/bertpipe-warm-") and len(deep) <= launcher.UNIX_PATH_MAX
+    short = launcher.warm_path(["default_worker.py", "--raylet-name=/tmp/ray/s/sockets/raylet.2"], key)
+    assert short == f"/tmp/ray/s/sockets/warm-raylet.2-{key}" == launcher.socket_address(short)
+    deep = launcher.warm_path([f"--raylet-name=/{'d' * 120}/sockets/raylet"], key)
+    assert deep == f"/{'d' * 120}/sockets/warm-raylet-{key}"  # its files stay in the session's folder
+    address = launcher.socket_address(deep)  # only the socket moves
+    assert address.startswith("/tmp/bertpipe-warm-") and len(address) <= launcher.UNIX_PATH_MAX
+    assert address != launcher.socket_address(deep.replace("raylet", "raylet.2"))
     assert launcher.log_path("/tmp/ray/s/sockets/warm-raylet-k").endswith("/bertpipe-warm-raylet-k.log")
+
+
+@pytest.mark.integration
+def test_a_warm_process_under_a_deep_ray_folder_keeps_its_files_there_and_leaves_nothing_in_tmp(tmp_path):
+    """A Ray temp folder too deep for a Unix socket's name (a pytest tmp_path, a long $RAY_TMPDIR): the socket goes
+    to /tmp and is removed when the warm process ends; its pid, lock and log stay beside the raylet's socket, where
+    the run's stop looks for warm processes (jobs/cluster.py)."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    sockets = tmp_path / ("d" * 60) / "sockets"
+    sockets.mkdir(parents=True)
+    (tmp_path / "work").mkdir()
+    raylet = subprocess.Popen(["sleep", "600"])
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_RAYLET_PID": str(raylet.pid)}
+    try:
+        run = launch(script, sockets / "raylet", tmp_path / "work", env)
+        assert run.returncode == 7 and " forked " in run.stdout, run.stdout + run.stderr[-2000:]
+        pid_file = next(sockets.glob("warm-raylet-*.pid"))
+        warm = int(pid_file.read_text())
+        assert launcher.warm_process_pids(str(sockets)) == [warm]
+        address = launcher.socket_address(str(pid_file)[:-len(".pid")])
+        assert address.startswith("/tmp/bertpipe-warm-") and Path(address).is_socket()
+        assert {p.name for p in sockets.iterdir()} >= {pid_file.name, pid_file.stem + ".lock",
+                                                       f"bertpipe-{pid_file.stem}.log"}
+        raylet.kill()
+        assert wait_for(lambda: not launcher.alive(warm)), "the warm process outlived its raylet"
+        assert not list(Path("/tmp").glob(Path(address).name + "*")), "the warm process left its socket in /tmp"
+        assert launcher.warm_process_pids(str(sockets)) == []
+    finally:
+        raylet.kill()
+        raylet.wait()
 
 
 def test_the_workers_keep_rays_own_start_when_off_or_when_the_job_picks_their_python(caplog):
@@ -182,7 +216,7 @@ def test_a_launch_is_a_fork_with_the_launchers_streams_environment_directory_and
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     # Short folders for the raylets' sockets: beside a long one (a deep pytest tmp_path) the warm process's socket
-    # would go to /tmp instead (the long-path test below).
+    # would go to /tmp instead (the deep-folder test above).
     sockets, sockets2 = (Path(tempfile.mkdtemp(prefix="bpw-", dir="/tmp")) for _ in range(2))
     (tmp_path / "work").mkdir()
     raylet = subprocess.Popen(["sleep", "600"])  # stands for the raylet: the warm process watches its pid

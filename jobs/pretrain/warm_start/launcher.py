@@ -29,7 +29,8 @@ REFUSED = 0
 # after the wait still registers in time.
 READY_TIMEOUT_S = 0.6 * float(os.environ.get("RAY_worker_register_timeout_seconds", "60"))
 FAILED = ".failed"  # beside the socket: the warm process of this node and key could not start
-UNIX_PATH_MAX = 100  # sun_path holds 108 bytes on Linux; the rest is margin
+# sun_path holds 108 bytes on Linux, its NUL included; the warm process binds `<socket>.<pid>` first (zygote.py)
+UNIX_PATH_MAX = 96
 
 
 def environment_key(env: dict[str, str], cwd: str) -> str:
@@ -37,14 +38,20 @@ def environment_key(env: dict[str, str], cwd: str) -> str:
     return hashlib.sha256(json.dumps([sys.executable, cwd, sorted(env.items())]).encode()).hexdigest()[:16]
 
 
-def socket_path(argv: list[str], key: str) -> str:
-    """Beside the raylet's own socket (one warm process per node, also where nodes share a host); in /tmp when that
-    path would not fit a Unix socket's name."""
+def warm_path(argv: list[str], key: str) -> str:
+    """The warm process of this node and key: its lock, pid, log and socket are named after this path, beside the
+    raylet's own socket (one warm process per node, also where nodes share a host), in the Ray session's folder."""
     raylet = next((a.split("=", 1)[1] for a in argv if a.startswith("--raylet-name=")), "")
-    path = os.path.join(os.path.dirname(raylet) or "/tmp", f"warm-{os.path.basename(raylet) or 'worker'}-{key}")
-    if len(path) > UNIX_PATH_MAX:
-        path = os.path.join("/tmp", "bertpipe-warm-" + hashlib.sha256(path.encode()).hexdigest()[:24])
-    return path
+    return os.path.join(os.path.dirname(raylet) or "/tmp", f"warm-{os.path.basename(raylet) or 'worker'}-{key}")
+
+
+def socket_address(path: str) -> str:
+    """The warm process's socket: `path` itself, or a name in /tmp when `path` would not fit a Unix socket's name
+    (a deep Ray temp folder); the warm process removes it when it ends. Only the socket moves: the other files stay
+    in the Ray session's folder, where the run's stop finds them (warm_process_pids)."""
+    if len(path) <= UNIX_PATH_MAX:
+        return path
+    return os.path.join("/tmp", "bertpipe-warm-" + hashlib.sha256(path.encode()).hexdigest()[:24])
 
 
 def log_path(socket_file: str) -> str:
@@ -59,7 +66,7 @@ def log_path(socket_file: str) -> str:
 def connect(path: str) -> socket.socket | None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(path)
+        conn.connect(socket_address(path))
         return conn
     except OSError:
         conn.close()
@@ -85,8 +92,8 @@ def start_and_connect(path: str) -> socket.socket | None:
             return conn  # FAILED: it could not start once on this node; the key's workers start cold
         zygote = read_pid(path + ".pid")
         if not alive(zygote):  # none is starting (a launcher before this one may have given up waiting for it)
-            if os.path.exists(path):
-                os.unlink(path)  # a socket whose process is gone
+            if os.path.exists(socket_address(path)):
+                os.unlink(socket_address(path))  # a socket whose process is gone
             zygote = start_detached([sys.executable, "-m", ZYGOTE_MODULE, path], log_path(path))
             with open(path + ".pid", "w") as pid_file:
                 pid_file.write(str(zygote))
@@ -200,7 +207,7 @@ def wait_for_worker(conn: socket.socket, pid: int) -> int:
 
 def main(argv: list[str]) -> None:
     env, cwd = dict(os.environ), os.getcwd()
-    path = socket_path(argv, environment_key(env, cwd))
+    path = warm_path(argv, environment_key(env, cwd))
     conn = connect(path) or start_and_connect(path)
     pid = request_fork(conn, argv, env, cwd) if conn is not None else None
     if pid is None:

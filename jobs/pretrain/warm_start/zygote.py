@@ -1,13 +1,13 @@
 """A node's warm process: imports what a training worker imports, once, then forks a worker from itself for each
 launcher.py that asks, as Python's forkserver does for multiprocessing.
 
-Started by the first launcher of its node and worker environment (`python -m ... <socket>`), with that launcher's
-environment, directory and interpreter, so a fork is the process a cold start would have been, less the imports. It
-serves from one thread (a fork copies only the forking thread) and refuses to fork, sending the launcher back to a
-cold start, once anything could make a fork unsafe: a second Python thread, CUDA initialised (a forked child cannot
-use its parent's CUDA context), or Ray's ID generator seeded (every fork would make the same IDs). It exits when its
-raylet is gone or no worker of it has lived for IDLE_EXIT_S; a worker it forked is Ray's: the raylet ends it as it
-would a cold one, and when its launcher dies the warm process kills it.
+Started by the first launcher of its node and worker environment (`python -m ... <path>`, launcher.warm_path), with
+that launcher's environment, directory and interpreter, so a fork is the process a cold start would have been, less
+the imports. It serves from one thread (a fork copies only the forking thread) and refuses to fork, sending the
+launcher back to a cold start, once anything could make a fork unsafe: a second Python thread, CUDA initialised (a
+forked child cannot use its parent's CUDA context), or Ray's ID generator seeded (every fork would make the same
+IDs). It exits when its raylet is gone or no worker of it has lived for IDLE_EXIT_S; a worker it forked is Ray's:
+the raylet ends it as it would a cold one, and when its launcher dies the warm process kills it.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from bertpipe.jobs.pretrain.warm_start.launcher import alive
+from bertpipe.jobs.pretrain.warm_start.launcher import alive, socket_address
 
 log = logging.getLogger("bertpipe.warm_start")
 
@@ -162,15 +162,15 @@ def worker_exit_code(status: int) -> int:
 
 class Zygote:
     def __init__(self, path: str, raylet_pid: int | None, unsafe: str):
-        self.path, self.raylet_pid, self.unsafe = path, raylet_pid, unsafe
+        self.address, self.raylet_pid, self.unsafe = socket_address(path), raylet_pid, unsafe
         self.workers: dict[socket.socket, int] = {}  # a launcher's connection: the worker forked for it
         self.idle_since = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        staging = f"{path}.{os.getpid()}"
+        staging = f"{self.address}.{os.getpid()}"
         self.listener.bind(staging)
         self.listener.listen(64)
-        os.rename(staging, path)  # launchers connect only to a process that listens
-        self.inode = os.stat(path).st_ino
+        os.rename(staging, self.address)  # launchers connect only to a process that listens
+        self.inode = os.stat(self.address).st_ino
         self.raylet_exit = raylet_exit_fd(raylet_pid)
 
     def serve(self) -> None:
@@ -273,8 +273,8 @@ class Zygote:
             except (ProcessLookupError, ChildProcessError):
                 pass
         try:
-            if os.stat(self.path).st_ino == self.inode:
-                os.unlink(self.path)
+            if os.stat(self.address).st_ino == self.inode:
+                os.unlink(self.address)
         except FileNotFoundError:
             pass
         self.listener.close()
@@ -291,7 +291,7 @@ def main(path: str) -> None:
     unsafe = unsafe_to_fork()
     raylet = os.environ.get("RAY_RAYLET_PID")
     zygote = Zygote(path, int(raylet) if raylet and raylet.isdigit() else None, unsafe)
-    log.info("ready in %.1f s at %s%s", time.monotonic() - started, path,
+    log.info("ready in %.1f s at %s%s", time.monotonic() - started, zygote.address,
              f"; refusing to fork: {unsafe}" if unsafe else "")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
