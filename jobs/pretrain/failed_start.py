@@ -10,16 +10,22 @@ A worker lost while the group launches its training function (after those callba
 Train raised it as it came, which its failure policy counts as a controller error and does not retry (the chaos
 bench: the run ended at the second kill); it now goes on as the WorkerGroupStartupFailedError Ray raises for a
 worker lost a moment earlier, which is retried.
+
+Both kinds of run install it in their controller: an elastic run through its policy (elastic.py), a run of a fixed
+worker count through FixedTorchTrainer here (where a leaked group waits as long: its retry needs every worker).
 """
 from __future__ import annotations
 
 import logging
 
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
 log = logging.getLogger(__name__)
 
 
 def release_failed_starts() -> None:
-    """Wraps Ray Train's WorkerGroup._start, once per process (the controller's: elastic.py calls it there)."""
+    """Wraps Ray Train's WorkerGroup._start, once per process (the controller's, where its policy calls it)."""
     from ray.exceptions import RayActorError
     from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
@@ -45,3 +51,20 @@ def release_failed_starts() -> None:
 
     start_or_release.releases_failed_starts = True
     WorkerGroup._start = start_or_release
+
+
+class ReleasingFixedScalingPolicy(FixedScalingPolicy):
+    """Ray Train's policy for a fixed worker count, releasing failed starts in the controller it runs in."""
+
+    def after_controller_start(self, train_run_context):
+        release_failed_starts()
+        super().after_controller_start(train_run_context)
+
+
+class FixedTorchTrainer(TorchTrainer):
+    """A TorchTrainer of a fixed worker count whose controller releases failed starts (fit() builds Ray's own
+    policy otherwise)."""
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        controller_init_kwargs["scaling_policy"] = ReleasingFixedScalingPolicy(self.scaling_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)

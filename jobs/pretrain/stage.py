@@ -269,16 +269,16 @@ def worker_spec(ctx: StageContext, cfg: PretrainConfig, storage_path: str, name:
 def trainer(spec: WorkerSpec, datasets: dict[str, Any]):
     import ray.train
     from ray.data import ExecutionOptions
-    from ray.train.torch import TorchTrainer
 
     from bertpipe.jobs.pretrain.attempt_clock import AttemptClock
     from bertpipe.jobs.pretrain.elastic import ElasticTorchTrainer
+    from bertpipe.jobs.pretrain.failed_start import FixedTorchTrainer
     from bertpipe.jobs.pretrain.loop import train_loop_per_worker
     from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
 
     cfg = spec.pretrain
     kind = (functools.partial(ElasticTorchTrainer, worlds=cfg.whole_batch_worlds(), last_step=cfg.max_steps)
-            if cfg.elastic else TorchTrainer)
+            if cfg.elastic else FixedTorchTrainer)
     return kind(
         train_loop_per_worker, train_loop_config={"spec": spec},
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
