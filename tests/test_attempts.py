@@ -5,6 +5,7 @@ node is in tests/test_multinode.py."""
 from __future__ import annotations
 
 from bertpipe.jobs.pretrain.attempts import CAUSE_WAIT_S, AttemptWatch
+from bertpipe.pipeline.framework.progress import LATER
 
 
 QUIET = {"eta_unknown": False}  # nothing to tell: the workers' own ETA stands
@@ -236,3 +237,45 @@ def test_a_status_of_the_attempt_before_is_not_told_again_after_a_restart_line(c
     assert said == ["compiling the model", "model compiled in 69 s",
                     "a worker node (10.0.0.2, 1 CPUs) was lost at step 30; restarted from the step-20 checkpoint, "
                     "attempt 2 of 4", "compiling the model", "model compiled in 17 s"], said
+
+
+def test_a_restarts_own_line_that_comes_before_its_cause_is_told_after_it(capsys):
+    """Ray Train restarts the workers seconds before the cluster declares their node dead (~15 s): the new attempt's
+    rank 0 tells where its start went before the driver can say why it restarted. The console reads cause, then
+    restart, as it happened; what the workers tell after that is told as it comes."""
+    console, board, poll, nodes = board_and_watch()
+    board.set("k", 0, {"attempt_started": 1.0, "resumed_from": 0})
+    poll()
+    for step in (10, 20, 30):
+        board.set("k", step, {})
+        poll()
+    board.set("k", 20, {"attempt_started": 2.0, "resumed_from": 20})  # node b is not declared dead yet
+    poll()
+    board.set("k", 21, {"status": "restart (attempt 2) reached step 21 in 11.2 s"})
+    poll()
+    board.set("k", 24, {})
+    poll()
+    del nodes["b"]
+    board.set("k", 25, {})
+    poll()
+    board.set("k", 26, {"status": "checkpointed at step 26"})
+    poll()
+    console.close()
+    assert told_lines(capsys) == ["a worker node (10.0.0.2, 1 CPUs) was lost at step 30; restarted from the step-20 "
+                                  "checkpoint, attempt 2 of 4", "restart (attempt 2) reached step 21 in 11.2 s",
+                                  "checkpointed at step 26"]
+
+
+def test_a_restarts_own_line_is_told_after_the_workers_failure_when_no_cause_comes_or_at_the_end():
+    watch, _, clock = make_watch({"a": "10.0.0.1, 4 CPUs"})
+    watch(0, {"attempt_started": 1.0})
+    watch(31, {"attempt_started": 1.0})
+    watch(20, {"attempt_started": 2.0, "resumed_from": 20})
+    assert watch(21, {"attempt_started": 2.0, "status": "restart (attempt 2) reached step 21"})["status"] is None
+    clock["now"] += CAUSE_WAIT_S
+    shown = watch(22, {"attempt_started": 2.0})
+    assert shown["status"].startswith("the workers failed at step 31; restarted from the step-20 checkpoint")
+    assert shown[LATER] == ["restart (attempt 2) reached step 21"] and watch.held_back() == []
+    watch(22, {"attempt_started": 3.0, "resumed_from": 20})  # training ends before this restart's cause is known
+    watch(23, {"attempt_started": 3.0, "status": "restart (attempt 3) reached step 21"})
+    assert watch.held_back() == ["restart (attempt 3) reached step 21"] and watch.held_back() == []

@@ -478,6 +478,8 @@ def run_stage(ctx: StageContext) -> StageResult:
             # Ray Train's controller answers Ctrl-C by aborting the run and sys.exit(0): a user's interrupt, and
             # the CLI must end it as one (exit 130, MLflow runs KILLED), not as a success.
             raise Interrupted(signal.SIGINT) from exc
+    for line in watch.held_back():  # a restart in the last seconds of training: the cluster named no cause in time
+        ctx.console.tell(f"pretrain: {line}", log)
     raise_if_stopped(storage_path, spec.run_name)
     tail = time.perf_counter()
     metrics, learning_files = final_metrics(ctx, result, early_baselines.result(), run)

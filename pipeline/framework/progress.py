@@ -162,6 +162,7 @@ STATUS_SEQ = "status_seq"  # the board counts the statuses it was told: a status
 STATUS_LOG = "status_log"  # and keeps the last ones, numbered: two told between two polls are both printed
 KEPT_STATUSES = 16
 EARLIER = "earlier_statuses"  # statuses_told_since's: those told since the last poll before the board's last one
+LATER = "later_statuses"  # a watch's: the workers' statuses it held back, to be told after its own status
 
 
 def _merged(old: dict, fields: dict) -> dict:
@@ -225,15 +226,16 @@ def new_board(job_id: str):
 
 def poll_updates(fields: dict[str, Any], extra: dict[str, Any]) -> list[dict[str, Any]]:
     """What one poll sets on the progress line, in order: the statuses the board was told before its last one
-    (EARLIER), then the board's fields under the watch's `extra`; when both bring a status, the watch's line and
-    then the workers' (a restart told by the driver as the restarted workers report their first step: the one would
-    hide the other)."""
+    (EARLIER), then the board's fields under the watch's `extra`; when both bring a status, the watch's line, the
+    statuses the watch held back until it (LATER), then the workers' (a restart told by the driver as the restarted
+    workers report their first step: the one would hide the other)."""
     updates: list[dict[str, Any]] = [{"status": text} for text in fields.get(EARLIER, [])]
     fields = {k: v for k, v in fields.items() if k != EARLIER}
-    merged = {**fields, **extra}
+    later = [{"status": text} for text in extra.get(LATER, [])]
+    merged = {**fields, **{k: v for k, v in extra.items() if k != LATER}}
     if extra.get("status") and fields.get("status") and fields["status"] != extra["status"]:
-        return [*updates, merged, {"status": fields["status"]}]
-    return [*updates, merged]
+        return [*updates, merged, *later, {"status": fields["status"]}]
+    return [*updates, merged, *later]
 
 
 @contextmanager
