@@ -272,6 +272,8 @@ def test_a_restarts_own_line_is_told_after_the_workers_failure_when_no_cause_com
     watch(31, {"attempt_started": 1.0})
     watch(20, {"attempt_started": 2.0, "resumed_from": 20})
     assert watch(21, {"attempt_started": 2.0, "status": "restart (attempt 2) reached step 21"})["status"] is None
+    drained = {"attempt_started": 2.0, "status": "node n1 (rank 1) is being drained: checkpoint at step 21"}
+    assert "status" not in watch(21, drained)  # any other line of the workers is told as it comes
     clock["now"] += CAUSE_WAIT_S
     shown = watch(22, {"attempt_started": 2.0})
     assert shown["status"].startswith("the workers failed at step 31; restarted from the step-20 checkpoint")

@@ -14,8 +14,8 @@ step and fields. It notices:
   Only the new attempt knows the checkpoint: Ray Train resumes from the last one it registered, which can be older
   than the newest folder in storage. Ray Train often restarts before the cluster declares the node dead (its own
   health checks are faster): such a restart is told once the node is declared lost, or after CAUSE_WAIT_S as the
-  workers' own failure; what the new attempt's workers tell meanwhile (where the restart's time went) is held back
-  and told after that line, so the console reads cause, then restart;
+  workers' own failure; the new attempt's own line told meanwhile (where the restart's time went,
+  metrics/restart.py) is held back and told after that one, so the console reads cause, then restart;
 - a lost node no worker was on: training goes on, and the line says so;
 - an elastic run's resize (the new attempt reports another worker count): the line says it, "a worker node
   (10.0.0.7, 2 CPUs) was lost at step 412: going on with 3 workers from the step-400 checkpoint, accumulation
@@ -30,6 +30,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from bertpipe.jobs.pretrain.metrics.restart import LINE_START
 from bertpipe.pipeline.framework.progress import LATER
 
 log = logging.getLogger("bertpipe.pretrain")
@@ -76,21 +77,22 @@ class AttemptWatch:
         self.lines: list[str] = []
         self.layout: tuple[int, int] | None = None  # (workers, accumulation steps) of the attempt now running
         self.resized: tuple[tuple[int, int], tuple[int, int]] | None = None  # (before, now), not told yet
-        self.held: list[str] = []  # the new attempt's statuses, told before its restart's cause was known
+        self.held: list[str] = []  # the new attempt's restart line, told before the restart's cause was known
 
     def __call__(self, count: float, fields: dict[str, Any]) -> dict[str, Any]:
         """Fields to show over the workers' (a `status` line to print; `doing` and no ETA while the workers
-        restart; LATER: the workers' statuses held back until now), {} when nothing happened."""
+        restart; LATER: the workers' restart line held back until now), {} when nothing happened."""
         shown = self._watch(count, fields)
-        if self.restart is not None and fields.get("status"):  # its cause not known yet: told after the cause
-            self.held.append(fields["status"])
+        told = fields.get("status") or ""
+        if self.restart is not None and told.startswith(LINE_START):  # its cause not known yet: told after it
+            self.held.append(told)
             return {**shown, "status": None}
         if self.held and self.restart is None:
             shown, self.held = {**shown, LATER: self.held}, []
         return shown
 
     def held_back(self) -> list[str]:
-        """The statuses still held (training ended before the restart's cause was known), no longer held."""
+        """The restart lines still held (training ended before the restart's cause was known), no longer held."""
         held, self.held = self.held, []
         return held
 

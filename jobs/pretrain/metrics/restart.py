@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 PARTS = ("worker_start", "engine_setup", "checkpoint_load", "compile", "first_batch")
 LABELS = {"worker_start": "worker start", "engine_setup": "DeepSpeed set-up", "checkpoint_load": "checkpoint load",
           "compile": "compile", "first_batch": "first batch"}
+LINE_START = "restart (attempt "  # the console line's: the driver's watch knows it by this (attempts.py)
 # The MLflow names, seconds each: the parts, then the total (benchmarks/bench_chaos.py reads them).
 RESTART_METRICS = {**{p: f"{RESTART}{p}_s" for p in PARTS}, "total": f"{RESTART}total_s"}
 
@@ -93,5 +94,5 @@ def line(breakdown: dict[str, float], step: int, attempt: int, compile_note: str
     notes = {"compile": compile_note, "worker_start": worker_note}
     shown = [f"{LABELS[p]} {breakdown[p]:.1f} s" + (f" ({notes[p]})" if notes.get(p) else "")
              for p in PARTS if p != "compile" or breakdown[p] or compile_note]
-    return (f"restart (attempt {attempt}) reached step {step} in {breakdown['total']:.1f} s: {', '.join(shown)}, "
+    return (f"{LINE_START}{attempt}) reached step {step} in {breakdown['total']:.1f} s: {', '.join(shown)}, "
             f"rest {max(rest, 0.0):.1f} s")
