@@ -152,6 +152,32 @@ def test_the_progress_line_shows_no_eta_while_the_work_cannot_know_one():
     assert shown.eta() is not None
 
 
+def test_restarted_workers_setting_up_show_no_rate_or_eta_until_their_first_step(monkeypatch):
+    """A restart whose cause is not known yet (no `eta_unknown` from the driver's watch): the new workers' set-up
+    takes no step, so a count rate measured since the resume would only fall ("2.3 steps/s · ETA 0:14:05" in the
+    chaos bench, where 7.7 steps/s was right)."""
+    import time
+
+    from bertpipe.pipeline.framework.console import Console
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])  # the line's rate, on a fake clock
+    shown = Console().progress("pretrain", 3000, "steps")
+    shown.set(1040, eta_s=None)  # the attempt resumed at 1040 trains at 1 step/s
+    for step in range(1041, 1047):
+        clock["now"] += 1.0
+        shown.set(step)
+    assert "1.0 steps/s" in shown.line() and "ETA" in shown.line()
+    shown.set(1046, doing="setting up DeepSpeed", eta_s=None, paused=True)  # the next attempt sets up
+    clock["now"] += 30.0
+    line = shown.line()
+    assert "steps/s" not in line and "ETA" not in line and "setting up DeepSpeed" in line, line
+    shown.set(1041, doing="", paused=False)  # its first step, resumed from 1040: a new rate from there
+    clock["now"] += 2.0
+    shown.set(1043)
+    assert "1.0 steps/s" in shown.line() and "ETA" in shown.line(), shown.line()
+
+
 def board_and_watch():
     """A console, the workers' board, and poll(): one poll of poll_board's (the board read, the driver's watch)."""
     from bertpipe.pipeline.framework.console import Console

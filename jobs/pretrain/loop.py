@@ -76,7 +76,7 @@ def setup(spec: WorkerSpec, entered_at: float) -> Worker:
     clock = RestartClock(attempt_stamp(), entered_at)
     clock.worker_note = warm_start_note()
     if rank == 0:  # add(0): a restarted attempt's progress stays where training stood until it resumes
-        spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None)
+        spec.progress.add(0, doing="setting up DeepSpeed", eta_s=None, paused=True)  # until its first step
     with clock.part("engine_setup"):
         engine, scheduler = build_engine(cfg, spec.model, len(spec.vocab_tokens), spec.seed, world,
                                          spec.init_config)

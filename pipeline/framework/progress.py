@@ -42,7 +42,9 @@ class Progress:
     Fields with a meaning of their own: `status` (printed at once when it changes: a one-off worth a line, such as
     "compiling the model"), `doing` (what the work is busy with now, shown in the next line: "evaluating"),
     `eta_s` + `eta_at` (the work's own estimate of the seconds left, made at wall time `eta_at`: used instead of
-    the count-based ETA), `eta_unknown` (no ETA is shown while it is true)."""
+    the count-based ETA), `eta_unknown` (no ETA is shown while it is true: the driver's watch sets it), `paused`
+    (no ETA and no count rate while it is true: the work itself says it takes no steps for now, e.g. restarted
+    workers setting up, whose count-based rate would only fall)."""
 
     def __init__(self, console: Any, desc: str, total: float | None, unit: str,
                  describe: Callable[[dict[str, Any]], str] = lambda f: ""):
@@ -80,7 +82,7 @@ class Progress:
     def eta(self) -> float | None:
         """Seconds left: the work's own estimate when it reports one, else the count at the measured rate; none
         while the work says it cannot know (`eta_unknown`: restarting after a failure, say)."""
-        if self.fields.get("eta_unknown"):
+        if self.fields.get("eta_unknown") or self.fields.get("paused"):
             return None
         if self.fields.get("eta_s") is not None:
             left = float(self.fields["eta_s"]) - (time.time() - float(self.fields.get("eta_at", time.time())))
@@ -107,7 +109,7 @@ class Progress:
         done_text = f"{self.count:,.0f}" + (f"/{self.total:,.0f} ({100 * self.count / self.total:.0f}%)"
                                              if self.total else "")
         # No rate while the work says it cannot know its ETA (restarting after a failure): no steps pass meanwhile.
-        show_rate = self.count and (done or not self.fields.get("eta_unknown"))
+        show_rate = self.count and (done or not (self.fields.get("eta_unknown") or self.fields.get("paused")))
         parts = [f"{self.desc}: {done_text} {self.unit}", "" if done else self.fields.get("doing") or "",
                  self.describe(self.fields), f"{rate:,.1f} {self.unit}/s" if show_rate else ""]
         eta = None if done else self.eta()

@@ -138,7 +138,7 @@ class TrainingMetrics:
             # The last window's figures: reading this step's loss would wait for the device.
             # step_at: the driver's rate counts the global batches of the steps over its window (metrics/rate.py)
             self.tell(step, loss=self.last_window.get("loss"), step_at=[step, time.time()], doing="", eta_s=left,
-                      eta_at=time.time())
+                      eta_at=time.time(), paused=False)
 
     def restart_reached(self, step: int) -> None:
         """At the attempt's first optimizer step, `step`: where its start went (metrics/restart.py), on rank 0 in
