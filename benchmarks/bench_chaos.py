@@ -147,19 +147,20 @@ def restarts(resizes: list[dict], events: list[dict], points: list[tuple[float, 
         if r["kind"] in ("lost", "failed") and kills:
             kill = kills.pop(0)
             since, row["detection_s"] = kill["at"], _minus(kill.get("detected_at"), kill["at"])
+            new_step = first_point(points, since, r["reached"])
             # the new attempt's first step: the first shown after the kill below a step shown before it (the old
-            # attempt's steps only rise), which may come before the cluster declares the node dead; else the first
-            # shown after the loss was seen, one past `reached` when the redo took less than a poll
-            seen = kill.get("detected_at") or kill["at"]
-            resumed_at = (first_step_back(points, kill["at"]) or first_point(points, seen, at_most=r["reached"])
-                          or first_point(points, seen))
+            # attempt's steps only rise), which may come before the cluster declares the node dead; a step back
+            # shown after the first new step is a later restart's: then the polls missed the redo, and the first
+            # new step is also the attempt's first shown
+            back = first_step_back(points, kill["at"])
+            resumed_at = back if back is not None and (new_step is None or back <= new_step) else new_step
         else:  # a grow: told as the new attempt began
             join = max((j for j in joins if j["at"] < r["at"]), key=lambda j: j["at"], default=None)
             since = join["at"] if join else r["at"]
             resumed_at = first_point(points, r["at"])
             stopped = [at for at, _ in points if resumed_at is not None and at < resumed_at]
             row["stall_start"] = stopped[-1] if stopped else None
-        new_step = first_point(points, since, r["reached"])
+            new_step = first_point(points, since, r["reached"])
         row["latency_s"], row["attempt_s"] = _minus(new_step, since), _minus(resumed_at, since)
         row["redo_s"] = _minus(new_step, resumed_at)
         if r["kind"] == "grew":

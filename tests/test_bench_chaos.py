@@ -85,6 +85,17 @@ def test_a_restart_done_before_the_node_is_declared_dead_is_timed_from_its_own_f
     assert (lost["latency_s"], lost["attempt_s"], lost["redo_s"]) == (2.5, 1.5, 1.0)
 
 
+def test_a_later_restarts_step_back_is_not_this_ones_first_step():
+    """The chaos bench of 2026-11-29: the polls missed the first loss's redo (steps 501-502 between two), and the
+    first step back shown was the grow's, 45 s later: the attempt's first step shown is then its first new step."""
+    log = [progress(1, 1), progress(4, 25), progress(16, 28), progress(40, 50), progress(46, 41), progress(47, 52),
+           at(18.0, "bertpipe.pretrain: pretrain: a worker node (192.0.2.2, 1 CPUs) was lost at step 25: going on "
+                    "with 2 workers from the step-24 checkpoint, accumulation 2 → 3")]
+    events = [{"kind": "kill", "at": T0 + 4.5, "detected_at": T0 + 17.5, "node": "a"}]
+    (lost,) = bc.restarts(bc.resize_lines(log), events, bc.progress_points(log), {})
+    assert (lost["latency_s"], lost["attempt_s"], lost["redo_s"]) == (11.5, 11.5, 0.0)
+
+
 def test_the_workers_restart_metrics_go_to_their_restart():
     parts = {"total_s": [(T0 + 31, 21, 8.0), (T0 + 47, 41, 5.0)], "compile_s": [(T0 + 31, 21, 0.5)]}
     lost, grew = bc.restarts(bc.resize_lines(LOG), EVENTS, bc.progress_points(LOG), parts)
