@@ -16,8 +16,14 @@ from own_python import run_alone
 from bertpipe.jobs.pretrain.warm_start import launcher, zygote
 from bertpipe.jobs.pretrain.warm_start.runtime_env import LAUNCHER_MODULE, worker_runtime_env
 
+# A worker waits 0.6 × Ray's worker register timeout for its node's warm process (launcher.READY_TIMEOUT_S), then
+# starts cold: on this machine under the suite's load the warm process's imports took 49 s once, past the default's 36.
+# These tests are about the forks, not that wait: their Rays (their raylets and workers inherit it) wait long enough.
+SLOW_IMPORTS = {"RAY_worker_register_timeout_seconds": "600"}
+WITH_SLOW_IMPORTS = f"import os\nos.environ.update({SLOW_IMPORTS!r})\n"  # a script's first lines
+
 # In a process of its own: the tests of a pytest worker share its Ray, which this one's must not replace.
-FORKED_WORKERS = """
+FORKED_WORKERS = WITH_SLOW_IMPORTS + """
 import os, sys, threading, time
 import ray
 from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
@@ -80,7 +86,7 @@ def test_workers_fork_from_the_nodes_warm_process_which_ends_with_its_raylet(tmp
 
 # The product's own stop of a local Ray (jobs/cluster.py stop_writers): the warm process and its forks, started
 # detached from Ray's processes, are gone when it returns, as a cold worker would be.
-STOPPED_WITH_RAY = """
+STOPPED_WITH_RAY = WITH_SLOW_IMPORTS + """
 import os, psutil, ray
 from bertpipe.jobs import cluster
 from bertpipe.jobs.pretrain.warm_start.runtime_env import worker_runtime_env
@@ -158,7 +164,8 @@ def test_a_warm_process_under_a_deep_ray_folder_keeps_its_files_there_and_leaves
     sockets.mkdir(parents=True)
     (tmp_path / "work").mkdir()
     raylet = subprocess.Popen(["sleep", "600"])
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_RAYLET_PID": str(raylet.pid)}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "RAY_RAYLET_PID": str(raylet.pid),
+           **SLOW_IMPORTS}
     try:
         run = launch(script, sockets / "raylet", tmp_path / "work", env)
         assert run.returncode == 7 and " forked " in run.stdout, run.stdout + run.stderr[-2000:]
@@ -220,7 +227,7 @@ def test_a_launch_is_a_fork_with_the_launchers_streams_environment_directory_and
     sockets, sockets2 = (Path(tempfile.mkdtemp(prefix="bpw-", dir="/tmp")) for _ in range(2))
     (tmp_path / "work").mkdir()
     raylet = subprocess.Popen(["sleep", "600"])  # stands for the raylet: the warm process watches its pid
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, "MINE": "kept",
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")}, **SLOW_IMPORTS, "MINE": "kept",
            "RAY_RAYLET_PID": str(raylet.pid)}
     try:
         runs = [launch(script, sockets / "raylet", tmp_path / "work", env) for _ in range(2)]
