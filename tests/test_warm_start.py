@@ -153,6 +153,28 @@ def test_workers_of_another_environment_get_another_warm_process_and_long_paths_
     assert launcher.log_path("/tmp/ray/s/sockets/warm-raylet-k").endswith("/bertpipe-warm-raylet-k.log")
 
 
+def test_a_socket_left_by_a_killed_warm_process_is_removed_and_a_live_ones_is_not():
+    """A warm process killed with SIGKILL cannot remove its socket in /tmp: the next warm process to start removes
+    those no process listens on."""
+    import socket
+
+    folder = Path(tempfile.mkdtemp(prefix="bpw-", dir="/tmp"))  # a short folder: a socket's name has 107 bytes
+    live, dead = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    try:
+        live.bind(str(folder / "bertpipe-warm-live"))
+        live.listen(1)
+        dead.bind(str(folder / "bertpipe-warm-dead"))  # bound, then its process gone: nobody listens
+        dead.close()
+        (folder / "bertpipe-warm-notes.log").write_text("not a socket")
+        (folder / "someone-else").write_text("")
+        launcher.remove_stale_sockets(str(folder))
+        assert sorted(p.name for p in folder.iterdir()) == ["bertpipe-warm-live", "bertpipe-warm-notes.log",
+                                                            "someone-else"]
+    finally:
+        live.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.integration
 def test_a_warm_process_under_a_deep_ray_folder_keeps_its_files_there_and_leaves_nothing_in_tmp(tmp_path):
     """A Ray temp folder too deep for a Unix socket's name (a pytest tmp_path, a long $RAY_TMPDIR): the socket goes

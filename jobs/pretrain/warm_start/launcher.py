@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -52,6 +53,28 @@ def socket_address(path: str) -> str:
     if len(path) <= UNIX_PATH_MAX:
         return path
     return os.path.join("/tmp", "bertpipe-warm-" + hashlib.sha256(path.encode()).hexdigest()[:24])
+
+
+def remove_stale_sockets(folder: str = "/tmp") -> None:
+    """Removes the sockets in /tmp (socket_address) of warm processes that ended without removing theirs (killed with
+    SIGKILL): a socket that refuses connections has no process behind it."""
+    for name in os.listdir(folder):
+        candidate = os.path.join(folder, name)
+        if not (name.startswith("bertpipe-warm-") and os.path.exists(candidate)) or \
+                not stat.S_ISSOCK(os.lstat(candidate).st_mode):
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(candidate)
+        except ConnectionRefusedError:
+            try:
+                os.unlink(candidate)
+            except OSError:
+                pass
+        except OSError:
+            pass  # another user's, or gone meanwhile
+        finally:
+            probe.close()
 
 
 def log_path(socket_file: str) -> str:
@@ -94,6 +117,7 @@ def start_and_connect(path: str) -> socket.socket | None:
         if not alive(zygote):  # none is starting (a launcher before this one may have given up waiting for it)
             if os.path.exists(socket_address(path)):
                 os.unlink(socket_address(path))  # a socket whose process is gone
+            remove_stale_sockets()
             zygote = start_detached([sys.executable, "-m", ZYGOTE_MODULE, path], log_path(path))
             with open(path + ".pid", "w") as pid_file:
                 pid_file.write(str(zygote))
