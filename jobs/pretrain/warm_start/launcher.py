@@ -32,6 +32,8 @@ READY_TIMEOUT_S = 0.6 * float(os.environ.get("RAY_worker_register_timeout_second
 FAILED = ".failed"  # beside the socket: the warm process of this node and key could not start
 # sun_path holds 108 bytes on Linux, its NUL included; the warm process binds `<socket>.<pid>` first (zygote.py)
 UNIX_PATH_MAX = 96
+SHORT_SOCKETS = "/tmp"  # where a socket whose path would be longer goes, named SHORT_PREFIX + a hash of that path
+SHORT_PREFIX = "bertpipe-warm-"
 
 
 def environment_key(env: dict[str, str], cwd: str) -> str:
@@ -52,16 +54,18 @@ def socket_address(path: str) -> str:
     in the Ray session's folder, where the run's stop finds them (warm_process_pids)."""
     if len(path) <= UNIX_PATH_MAX:
         return path
-    return os.path.join("/tmp", "bertpipe-warm-" + hashlib.sha256(path.encode()).hexdigest()[:24])
+    return os.path.join(SHORT_SOCKETS, SHORT_PREFIX + hashlib.sha256(path.encode()).hexdigest()[:24])
 
 
-def remove_stale_sockets(folder: str = "/tmp") -> None:
-    """Removes the sockets in /tmp (socket_address) of warm processes that ended without removing theirs (killed with
-    SIGKILL): a socket that refuses connections has no process behind it."""
+def remove_stale_sockets(folder: str = SHORT_SOCKETS) -> None:
+    """Removes the sockets in SHORT_SOCKETS (socket_address) of warm processes that ended without removing theirs
+    (killed with SIGKILL): a socket that refuses connections has no process behind it."""
     for name in os.listdir(folder):
         candidate = os.path.join(folder, name)
-        if not (name.startswith("bertpipe-warm-") and os.path.exists(candidate)) or \
-                not stat.S_ISSOCK(os.lstat(candidate).st_mode):
+        try:
+            if not name.startswith(SHORT_PREFIX) or not stat.S_ISSOCK(os.lstat(candidate).st_mode):
+                continue
+        except FileNotFoundError:
             continue
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
